@@ -1,0 +1,84 @@
+// Benchmark helpers as FFI handlers: an on-stream barrier between ranks, a %globaltimer stamp,
+// and the dense NVSHMEM all-to-all baseline (nvshmemx_alltoallmem_on_stream).
+#include <cuda_runtime.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "core/check.h"
+#include "ffi/common.h"
+#include "ffi/handlers.h"
+#include "kernels/kernels.h"
+
+namespace ffi = xla::ffi;
+
+namespace jmc {
+namespace {
+
+// Only between whole cycles: the barrier shares no counters with dispatch/combine.
+ffi::Error Barrier(cudaStream_t stream, int64_t handle, ffi::AnyBuffer dep,
+                   ffi::Result<ffi::AnyBuffer> out) {
+  Handle* h = nullptr;
+  JMC_RETURN_IF_ERROR(enter(handle, Stage::kIdle, Stage::kIdle, "barrier", &h));
+  BarrierParams p{h->common(), ++h->barrier_epoch};
+  JMC_RETURN_IF_CUDA_ERROR(launch_barrier(p, stream));
+  return ffi::Error::Success();
+}
+
+// out[0] = %globaltimer when the stream reaches this point; `dep` orders it after its producer.
+ffi::Error Timestamp(cudaStream_t stream, ffi::AnyBuffer dep,
+                     ffi::Result<ffi::Buffer<ffi::U64>> out) {
+  JMC_RETURN_IF_CUDA_ERROR(launch_timestamp(out->typed_data(), stream));
+  return ffi::Error::Success();
+}
+
+// Moves world * chunk bytes from every rank to every rank. copy != 0 also copies `x` in and the
+// result out (for the correctness check); timing runs use copy = 0 (the a2a alone).
+ffi::Error DenseAllToAll(cudaStream_t stream, int64_t handle, int64_t copy, ffi::AnyBuffer x,
+                         ffi::Result<ffi::AnyBuffer> out) {
+  DenseHandle* h = find_dense_handle(handle);
+  if (h == nullptr)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "no dense all-to-all handle " + std::to_string(handle));
+  const size_t total = h->chunk_bytes * h->world_size;
+  if (copy) {
+    JMC_RETURN_IF_ERROR(check_bytes("x", x.size_bytes(), total));
+    JMC_RETURN_IF_CUDA_ERROR(
+        cudaMemcpyAsync(h->src, x.untyped_data(), total, cudaMemcpyDeviceToDevice, stream));
+  }
+  const int rc = nvshmemx_alltoallmem_on_stream(NVSHMEM_TEAM_WORLD, h->dst, h->src,
+                                                h->chunk_bytes, stream);
+  if (rc != 0)
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      "nvshmemx_alltoallmem_on_stream returned " + std::to_string(rc));
+  if (copy) {
+    JMC_RETURN_IF_ERROR(check_bytes("out", out->size_bytes(), total));
+    JMC_RETURN_IF_CUDA_ERROR(
+        cudaMemcpyAsync(out->untyped_data(), h->dst, total, cudaMemcpyDeviceToDevice, stream));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBarrier, Barrier,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<int64_t>("handle")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kTimestamp, Timestamp,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::U64>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kDenseAllToAll, DenseAllToAll,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<int64_t>("handle")
+                                  .Attr<int64_t>("copy")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+}  // namespace jmc

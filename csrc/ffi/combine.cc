@@ -1,0 +1,65 @@
+// XLA FFI handlers of combine_send and combine_recv (host code only; see dispatch.cc on
+// why there is no command-buffer trait).
+#include <cuda_runtime.h>
+
+#include "core/check.h"
+#include "ffi/common.h"
+#include "ffi/handlers.h"
+#include "kernels/kernels.h"
+
+namespace ffi = xla::ffi;
+
+namespace jmc {
+namespace {
+
+ffi::Error CombineSend(cudaStream_t stream, int64_t handle, ffi::AnyBuffer expert_y,
+                       ffi::Buffer<ffi::S32> expert_num_tokens,
+                       ffi::Buffer<ffi::S32> row_source, ffi::Result<ffi::AnyBuffer> ticket) {
+  Handle* h = nullptr;
+  JMC_RETURN_IF_ERROR(
+      enter(handle, Stage::kDispatchReceived, Stage::kCombineSent, "combine_send", &h));
+  const Shape& s = h->shape;
+  const size_t rows = size_t(s.num_local_experts()) * s.max_recv_tokens();
+  JMC_RETURN_IF_ERROR(check_bytes("expert_y", expert_y.size_bytes(),
+                                  rows * s.hidden * s.out_elem_bytes));
+  CombineSendParams p{h->common(), static_cast<const uint8_t*>(expert_y.untyped_data()),
+                      expert_num_tokens.typed_data(), row_source.typed_data()};
+  JMC_RETURN_IF_CUDA_ERROR(launch_combine_send(p, h->launch, stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error CombineRecv(cudaStream_t stream, int64_t handle, ffi::AnyBuffer ticket,
+                       ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::F32> weights,
+                       ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> y) {
+  Handle* h = nullptr;
+  JMC_RETURN_IF_ERROR(enter(handle, Stage::kCombineSent, Stage::kIdle, "combine_recv", &h));
+  const Shape& s = h->shape;
+  JMC_RETURN_IF_ERROR(check_bytes("y", y->size_bytes(), size_t(s.max_num_tokens) * s.hidden * 2));
+  CombineRecvParams p{h->common(), indices.typed_data(), weights.typed_data(),
+                      num_tokens.typed_data(), static_cast<uint16_t*>(y->untyped_data())};
+  JMC_RETURN_IF_CUDA_ERROR(launch_combine_recv(p, h->launch, stream));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCombineSend, CombineSend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<int64_t>("handle")
+                                  .Arg<ffi::AnyBuffer>()         // expert_y
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // expert_num_tokens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // row_source
+                                  .Ret<ffi::AnyBuffer>());       // ticket
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCombineRecv, CombineRecv,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<int64_t>("handle")
+                                  .Arg<ffi::AnyBuffer>()         // ticket
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // indices
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // weights
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens
+                                  .Ret<ffi::AnyBuffer>());       // y
+
+}  // namespace jmc

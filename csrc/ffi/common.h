@@ -1,0 +1,53 @@
+// What every handler does first: find the handle, refuse a poisoned one, check the stage.
+#pragma once
+
+#include <string>
+
+#include "handle.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jmc {
+
+inline const char* stage_name(Stage s) {
+  switch (s) {
+    case Stage::kIdle: return "idle";
+    case Stage::kDispatchSent: return "dispatch sent";
+    case Stage::kDispatchReceived: return "dispatch received";
+    case Stage::kCombineSent: return "combine sent";
+  }
+  return "?";
+}
+
+// Looks up `id`, returns an error if the kernels recorded one earlier (read from pinned memory,
+// no sync) or if the handle is not in stage `expected`; on success moves it to `next`.
+inline xla::ffi::Error enter(int64_t id, Stage expected, Stage next, const char* op,
+                             Handle** out) {
+  Handle* h = find_handle(id);
+  if (h == nullptr)
+    return xla::ffi::Error(xla::ffi::ErrorCode::kInvalidArgument,
+                           std::string(op) + ": no all-to-all handle " + std::to_string(id) +
+                               " (closed, or created in another order on this process)");
+  const std::string recorded = describe_error(*h->error_host);
+  if (!recorded.empty())
+    return xla::ffi::Error(xla::ffi::ErrorCode::kAborted,
+                           recorded + " (handle " + std::to_string(id) + " is unusable)");
+  if (h->stage != expected)
+    return xla::ffi::Error(xla::ffi::ErrorCode::kFailedPrecondition,
+                           std::string("ProtocolError: ") + op + " on handle " +
+                               std::to_string(id) + " in stage '" + stage_name(h->stage) +
+                               "'; expected '" + stage_name(expected) +
+                               "' (dispatch_send -> dispatch_recv -> combine_send -> "
+                               "combine_recv, one cycle at a time)");
+  h->stage = next;
+  *out = h;
+  return xla::ffi::Error::Success();
+}
+
+inline xla::ffi::Error check_bytes(const char* name, size_t got, size_t want) {
+  if (got == want) return xla::ffi::Error::Success();
+  return xla::ffi::Error(xla::ffi::ErrorCode::kInvalidArgument,
+                         std::string(name) + " has " + std::to_string(got) +
+                             " bytes; the handle expects " + std::to_string(want));
+}
+
+}  // namespace jmc

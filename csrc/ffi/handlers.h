@@ -1,0 +1,14 @@
+// The FFI handler symbols the module registers with XLA (defined in csrc/ffi/*.cc).
+#pragma once
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jmc {
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kDispatchSend);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kDispatchRecv);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCombineSend);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCombineRecv);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kBarrier);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kTimestamp);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kDenseAllToAll);
+}  // namespace jmc

@@ -1,0 +1,96 @@
+// jax_moe_comm._native: registers the bootstrap, handle and FFI-handler entry points. No logic.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include <cuda_runtime.h>
+
+#include "bootstrap.h"
+#include "ffi/handlers.h"
+#include "handle.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+void raise_if(const std::string& error) {
+  if (!error.empty()) throw std::runtime_error(error);
+}
+
+std::tuple<int, int, int> as_tuple(jmc::Version v) { return {v.major, v.minor, v.patch}; }
+
+template <typename Fn>
+nb::capsule handler_capsule(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "CUDA/NVSHMEM core of jax_moe_comm";
+
+  m.def("built_nvshmem_version", [] { return as_tuple(jmc::built_nvshmem_version()); });
+  m.def("runtime_nvshmem_version", [] { return as_tuple(jmc::runtime_nvshmem_version()); });
+  m.def("cuda_device_count", &jmc::cuda_device_count);
+  m.def("cuda_driver_error", &jmc::cuda_driver_error);
+
+  m.def("make_unique_id", [] {
+    const std::string id = jmc::make_unique_id();
+    if (id.empty()) throw std::runtime_error("nvshmemx_get_uniqueid failed");
+    return nb::bytes(id.data(), id.size());
+  });
+  m.def("init", [](nb::bytes uid, int rank, int nranks, int device) {
+    raise_if(jmc::init(std::string(uid.c_str(), uid.size()), rank, nranks, device));
+  });
+  m.def("finalize", [] { raise_if(jmc::finalize()); });
+  m.def("initialized", &jmc::initialized);
+  m.def("my_pe", &jmc::my_pe);
+  m.def("n_pes", &jmc::n_pes);
+  m.def("init_status", &jmc::init_status);
+  m.def("synchronize", [] {
+    const cudaError_t err = cudaDeviceSynchronize();
+    if (err != cudaSuccess)
+      throw std::runtime_error(std::string("cudaDeviceSynchronize: ") + cudaGetErrorString(err));
+  });
+
+  m.def(
+      "create_handle",
+      [](int num_experts, int k, int hidden, int max_m, int world, int dp, int in_bytes,
+         int num_scales, int out_bytes, uint64_t timeout_ns, int num_blocks, int warps) {
+        jmc::Shape s{num_experts, k, hidden, max_m, world, dp, in_bytes, num_scales, out_bytes};
+        int64_t id = 0;
+        raise_if(jmc::create_handle(s, jmc::Launch{num_blocks, warps}, timeout_ns, &id));
+        return id;
+      },
+      nb::arg("num_experts"), nb::arg("k"), nb::arg("hidden"), nb::arg("max_m"),
+      nb::arg("world"), nb::arg("dp"), nb::arg("in_bytes"), nb::arg("num_scales"),
+      nb::arg("out_bytes"), nb::arg("timeout_ns"), nb::arg("num_blocks"), nb::arg("warps"));
+  m.def("destroy_handle", [](int64_t id) { raise_if(jmc::destroy_handle(id)); });
+  m.def("symmetric_bytes", [](int64_t id) {
+    jmc::Handle* h = jmc::find_handle(id);
+    if (h == nullptr) throw std::runtime_error("no handle " + std::to_string(id));
+    return h->symmetric_bytes;
+  });
+  // The first recorded kernel error ("" if none). Reads pinned memory: no device sync.
+  m.def("handle_error", [](int64_t id) {
+    jmc::Handle* h = jmc::find_handle(id);
+    if (h == nullptr) throw std::runtime_error("no handle " + std::to_string(id));
+    return jmc::describe_error(*h->error_host);
+  });
+  m.def("create_dense_handle", [](int world, size_t chunk_bytes) {
+    int64_t id = 0;
+    raise_if(jmc::create_dense_handle(world, chunk_bytes, &id));
+    return id;
+  });
+  m.def("destroy_dense_handle", [](int64_t id) { raise_if(jmc::destroy_dense_handle(id)); });
+
+  nb::dict targets;
+  targets["jmc_dispatch_send"] = handler_capsule(jmc::kDispatchSend);
+  targets["jmc_dispatch_recv"] = handler_capsule(jmc::kDispatchRecv);
+  targets["jmc_combine_send"] = handler_capsule(jmc::kCombineSend);
+  targets["jmc_combine_recv"] = handler_capsule(jmc::kCombineRecv);
+  targets["jmc_barrier"] = handler_capsule(jmc::kBarrier);
+  targets["jmc_timestamp"] = handler_capsule(jmc::kTimestamp);
+  targets["jmc_dense_all_to_all"] = handler_capsule(jmc::kDenseAllToAll);
+  m.attr("ffi_targets") = targets;
+}

@@ -1,0 +1,1 @@
+"""Backends: `reference` (pure JAX, any platform) and `nvshmem` (CUDA kernels)."""

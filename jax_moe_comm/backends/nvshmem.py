@@ -1,0 +1,146 @@
+"""NVSHMEM backend: the CUDA kernels as XLA FFI custom calls over a persistent handle."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import bootstrap, native
+from ..config import KernelTuning, MoEConfig
+from ..errors import InvalidRoutingError, MoECommError, PeerTimeoutError, ProtocolError
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class Routing(NamedTuple):
+    expert_num_tokens: jax.Array  # [L] int32
+    row_source: jax.Array  # [L, R] int32: (group * max_m + token) * k + slot
+
+
+def result_type(like, shape, dtype):
+    """A result type that carries `like`'s shard_map varying axes (DESIGN section 10)."""
+    aval = jax.typeof(like)
+    manual = getattr(aval, "manual_axis_type", None)
+    sharding = getattr(aval, "sharding", None)
+    if manual is None or sharding is None or not getattr(manual, "varying", None):
+        return jax.ShapeDtypeStruct(shape, dtype)
+    spec = jax.sharding.PartitionSpec(*([None] * len(shape)))
+    return jax.ShapeDtypeStruct(shape, dtype,
+                                sharding=jax.sharding.NamedSharding(sharding.mesh, spec),
+                                manual_axis_type=manual)
+
+
+_ERROR_KINDS = {"PeerTimeout": PeerTimeoutError, "InvalidRouting": InvalidRoutingError}
+
+
+def raise_recorded(message: str) -> None:
+    if not message:
+        return
+    kind = message.split(":", 1)[0]
+    raise _ERROR_KINDS.get(kind, MoECommError)(message)
+
+
+class NvshmemBackend:
+    name = "nvshmem"
+
+    def __init__(self, cfg: MoEConfig, axis_name, tuning: KernelTuning,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        if jax.process_count() != cfg.world_size:
+            raise ValueError(f"the nvshmem backend runs one rank per process: world_size="
+                             f"{cfg.world_size} but jax.process_count()="
+                             f"{jax.process_count()}")
+        bootstrap.init()
+        self.cfg = cfg
+        self.axis_name = axis_name
+        self._mod = native.module()
+        self.handle = int(self._mod.create_handle(
+            num_experts=cfg.num_experts, k=cfg.experts_per_token, hidden=cfg.hidden,
+            max_m=cfg.max_num_tokens, world=cfg.world_size, dp=cfg.dp_size,
+            in_bytes=cfg.dispatch_dtype.itemsize, num_scales=cfg.num_scales,
+            out_bytes=cfg.combine_dtype.itemsize, timeout_ns=int(timeout_s * 1e9),
+            num_blocks=tuning.num_blocks, warps=tuning.warps_per_block))
+        self._open = True
+
+    def _call(self, name, results, *args, side_effect=False, **attrs):
+        return jax.ffi.ffi_call(name, results, has_side_effect=side_effect)(
+            *args, handle=np.int64(self.handle), **attrs)
+
+    def _ticket(self, like):
+        return result_type(like, (1,), jnp.int32)
+
+    # -- ops -------------------------------------------------------------------------------
+    def dispatch_send(self, x, x_scale, indices, num_tokens):
+        cfg = self.cfg
+        if x_scale is None:
+            x_scale = jnp.zeros((cfg.max_num_tokens, 0), jnp.float32)
+        return self._call("jmc_dispatch_send", self._ticket(x), x, x_scale, indices,
+                          num_tokens, side_effect=True)
+
+    def dispatch_recv(self, ticket):
+        cfg = self.cfg
+        L, R, H, S = cfg.num_local_experts, cfg.max_recv_tokens, cfg.hidden, cfg.num_scales
+        results = (result_type(ticket, (L, R, H), cfg.dispatch_dtype),
+                   result_type(ticket, (L, R, S), jnp.float32),
+                   result_type(ticket, (L,), jnp.int32),
+                   result_type(ticket, (L, R), jnp.int32))
+        expert_x, scale, counts, source = self._call("jmc_dispatch_recv", results, ticket,
+                                                     side_effect=True)
+        return expert_x, (scale if cfg.is_fp8 else None), counts, Routing(counts, source)
+
+    def combine_send(self, expert_y, routing: Routing):
+        return self._call("jmc_combine_send", self._ticket(expert_y), expert_y,
+                          routing.expert_num_tokens, routing.row_source, side_effect=True)
+
+    def combine_recv(self, ticket, indices, weights, num_tokens):
+        cfg = self.cfg
+        y_type = result_type(ticket, (cfg.max_num_tokens, cfg.hidden), jnp.bfloat16)
+        return self._call("jmc_combine_recv", y_type, ticket, indices, weights, num_tokens,
+                          side_effect=True)
+
+    def barrier(self, dep):
+        """On-stream barrier of every rank of this handle; returns a ticket ordered after dep."""
+        return self._call("jmc_barrier", self._ticket(dep), dep, side_effect=True)
+
+    # -- host side -------------------------------------------------------------------------
+    def check(self):
+        self._mod.synchronize()
+        raise_recorded(self._mod.handle_error(self.handle))
+
+    def close(self):
+        if self._open:
+            self._mod.destroy_handle(self.handle)
+            self._open = False
+
+    @property
+    def symmetric_bytes(self) -> int:
+        return int(self._mod.symmetric_bytes(self.handle))
+
+
+def timestamp(dep):
+    """u64[1] %globaltimer (ns) taken when XLA's stream reaches this point, after `dep`."""
+    return jax.ffi.ffi_call("jmc_timestamp", result_type(dep, (1,), jnp.uint64),
+                            has_side_effect=True)(dep)
+
+
+class DenseAllToAll:
+    """Benchmark baseline: nvshmemx_alltoallmem_on_stream of world x chunk_bytes per rank."""
+
+    def __init__(self, world_size: int, chunk_bytes: int):
+        bootstrap.init()
+        self._mod = native.module()
+        self.world_size, self.chunk_bytes = world_size, chunk_bytes
+        self.handle = int(self._mod.create_dense_handle(world_size, chunk_bytes))
+
+    def __call__(self, x, copy: bool = False):
+        out = result_type(x, (self.world_size, self.chunk_bytes), jnp.uint8)
+        return jax.ffi.ffi_call("jmc_dense_all_to_all", out, has_side_effect=True)(
+            x, handle=np.int64(self.handle), copy=np.int64(int(copy)))
+
+    def close(self):
+        self._mod.destroy_dense_handle(self.handle)
+
+
+__all__ = ["NvshmemBackend", "DenseAllToAll", "timestamp", "ProtocolError"]

@@ -1,0 +1,147 @@
+"""Reference backend: the same ops as the CUDA kernels, in pure JAX.
+
+Dispatch sends every rank's whole padded token block to every rank with one
+`jax.lax.all_to_all` (the "standard all-to-all" baseline), together with a [EP, max_m, k]
+table of local expert ids (-1 where the slot is not for that rank). The receiver scatters
+rows into `expert_x`. Combine weights each expert row on the expert's rank, sums a token's
+local experts in f32, and sends one f32 partial row per token back, where the home rank sums
+over expert ranks. Rows of one expert come out ordered by (source group, token, slot).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ..config import MoEConfig
+from ..errors import InvalidRoutingError
+from ..routing import valid_slots
+
+
+class PendingDispatch(NamedTuple):
+    recv_x: jax.Array  # [EP(src), max_m, H]
+    recv_scale: jax.Array | None  # [EP(src), max_m, S]
+    recv_ids: jax.Array  # [EP(src), max_m, k] local expert id or -1
+
+
+class Routing(NamedTuple):
+    recv_ids: jax.Array  # [EP(src), max_m, k] local expert of each received slot, -1 if none
+    recv_pos: jax.Array  # [EP(src), max_m, k] row of that slot in expert_x
+
+
+class PendingCombine(NamedTuple):
+    expert_y: jax.Array  # [L, max_recv, H]
+    routing: Routing
+
+
+def _report_bad_routing(bad_index, bad_count):
+    if bad_index:
+        raise InvalidRoutingError("an expert index is outside [-1, num_experts)")
+    if bad_count:
+        raise InvalidRoutingError("num_tokens is outside [0, max_num_tokens]")
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def __init__(self, cfg: MoEConfig, axis_name, check_routing: bool = True):
+        self.cfg = cfg
+        self.axis_name = axis_name
+        self.check_routing = check_routing
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _a2a(self, x):
+        return jax.lax.all_to_all(x, self.axis_name, 0, 0, tiled=False)
+
+    def _outgoing_slots(self, indices, num_tokens):
+        """[EP, max_m, k] mask: this rank sends slot (t, j) to rank r (DP groups split it)."""
+        cfg = self.cfg
+        rank = jax.lax.axis_index(self.axis_name)
+        dst = jnp.where(indices >= 0, indices // cfg.num_local_experts, -1)
+        ours = valid_slots(cfg, indices, num_tokens) & (dst % cfg.dp_size == rank % cfg.dp_size)
+        ranks = jnp.arange(cfg.world_size)[:, None, None]
+        return ours[None] & (dst[None] == ranks)
+
+    def _runtime_checks(self, indices, num_tokens):
+        if not self.check_routing:
+            return
+        bad_index = jnp.any((indices < -1) | (indices >= self.cfg.num_experts))
+        bad_count = (num_tokens < 0) | (num_tokens > self.cfg.max_num_tokens)
+        jax.debug.callback(_report_bad_routing, bad_index, bad_count)
+
+    # -- dispatch --------------------------------------------------------------------------
+    def dispatch_send(self, x, x_scale, indices, num_tokens) -> PendingDispatch:
+        cfg = self.cfg
+        self._runtime_checks(indices, num_tokens)
+        num_tokens = jnp.clip(num_tokens, 0, cfg.max_num_tokens)
+        to_rank = self._outgoing_slots(indices, num_tokens)
+        local_ids = jnp.where(to_rank, (indices % cfg.num_local_experts)[None], -1)
+        everyone = (cfg.world_size,) + x.shape
+        recv_x = self._a2a(jnp.broadcast_to(x[None], everyone))
+        recv_scale = None
+        if x_scale is not None:
+            recv_scale = self._a2a(jnp.broadcast_to(x_scale[None], (cfg.world_size,) + x_scale.shape))
+        return PendingDispatch(recv_x, recv_scale, self._a2a(local_ids.astype(jnp.int32)))
+
+    def dispatch_recv(self, pending: PendingDispatch):
+        cfg = self.cfg
+        L, R = cfg.num_local_experts, cfg.max_recv_tokens
+        ids = pending.recv_ids.reshape(-1)  # flat (src, t, j)
+        onehot = ids[:, None] == jnp.arange(L)[None, :]
+        running = jnp.cumsum(onehot.astype(jnp.int32), axis=0)
+        pos = jnp.take_along_axis(running, jnp.clip(ids, 0)[:, None], axis=1)[:, 0] - 1
+        expert_num_tokens = running[-1].astype(jnp.int32)
+        row_of_slot = jnp.arange(ids.shape[0]) // cfg.experts_per_token
+        target = jnp.where(ids >= 0, ids, L)  # L is out of range: dropped
+
+        def scatter(rows, fill_shape, dtype):
+            out = jnp.zeros((L, R) + fill_shape, dtype)
+            flat = rows.reshape((-1,) + fill_shape)
+            return out.at[target, pos].set(flat[row_of_slot], mode="drop")
+
+        expert_x = scatter(pending.recv_x, (cfg.hidden,), pending.recv_x.dtype)
+        expert_x_scale = None
+        if pending.recv_scale is not None:
+            expert_x_scale = scatter(pending.recv_scale, (cfg.num_scales,), jnp.float32)
+        routing = Routing(pending.recv_ids, pos.reshape(pending.recv_ids.shape))
+        return expert_x, expert_x_scale, expert_num_tokens, routing
+
+    # -- combine ---------------------------------------------------------------------------
+    def combine_send(self, expert_y, routing: Routing) -> PendingCombine:
+        # Weights arrive with combine_recv, and the reference weights rows on the expert's
+        # rank, so the whole exchange happens there; the split is only functional here.
+        return PendingCombine(expert_y, routing)
+
+    def combine_recv(self, pending: PendingCombine, indices, weights, num_tokens):
+        cfg = self.cfg
+        num_tokens = jnp.clip(num_tokens, 0, cfg.max_num_tokens)
+        expert_y, (ids, pos) = pending
+        to_rank = self._outgoing_slots(indices, num_tokens)
+        recv_w = self._a2a(jnp.where(to_rank, weights[None], 0.0))  # [EP(src), m, k]
+
+        def add_slot(j, acc):
+            e = jax.lax.dynamic_index_in_dim(ids, j, axis=2, keepdims=False)
+            p = jax.lax.dynamic_index_in_dim(pos, j, axis=2, keepdims=False)
+            w = jax.lax.dynamic_index_in_dim(recv_w, j, axis=2, keepdims=False)
+            rows = expert_y[jnp.clip(e, 0), jnp.clip(p, 0)].astype(jnp.float32)
+            return acc + jnp.where((e >= 0)[..., None], w[..., None] * rows, 0.0)
+
+        shape = (cfg.world_size, cfg.max_num_tokens, cfg.hidden)
+        zeros = jnp.zeros_like(recv_w, jnp.float32, shape=shape)  # varying like the data
+        partial = jax.lax.fori_loop(0, cfg.experts_per_token, add_slot, zeros)
+        # Rank d gets the partial of the sender of its DP group (every group member gets it).
+        rank = jax.lax.axis_index(self.axis_name)
+        dest = jnp.arange(cfg.world_size)
+        sender = (dest // cfg.dp_size) * cfg.dp_size + rank % cfg.dp_size
+        y = jnp.sum(self._a2a(partial[sender]), axis=0)
+        rows = jnp.arange(cfg.max_num_tokens)[:, None] < num_tokens
+        return jnp.where(rows, y, 0.0).astype(jnp.bfloat16)
+
+    def close(self):
+        pass
+
+    @property
+    def symmetric_bytes(self) -> int:
+        return 0

@@ -1,0 +1,133 @@
+"""Layer shape of one MoE all-to-all: what every handle and every op is sized from."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+# fp8 block scales cover this many hidden elements each (DeepSeek's 1x128 tiles).
+SCALE_BLOCK = 128
+# Every token row travels as whole 16-byte vectors.
+ROW_ALIGN_BYTES = 16
+
+DISPATCH_DTYPES = (jnp.bfloat16, jnp.float8_e4m3fn)
+COMBINE_DTYPES = (jnp.bfloat16, jnp.float32)
+
+
+def _dtype_name(dtype: Any) -> str:
+    return np.dtype(dtype).name
+
+
+def _check_dtype(name: str, dtype: Any, allowed: tuple) -> Any:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"{name}={dtype!r} is not a dtype") from e
+    if dt not in [np.dtype(a) for a in allowed]:
+        names = ", ".join(_dtype_name(a) for a in allowed)
+        raise TypeError(f"{name}={dt.name} is not supported; expected one of: {names}")
+    return dt
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Static shape of one expert-parallel all-to-all.
+
+    num_experts: E, experts over all ranks.
+    experts_per_token: k, router slots per token.
+    hidden: H, elements per token row.
+    max_num_tokens: max_m, tokens per rank (the static row count of x).
+    world_size: EP, ranks along the expert-parallel axis.
+    dp_size: ranks per data-parallel group (they hold the same tokens).
+    dispatch_dtype: bf16, or float8_e4m3fn with f32 block scales [max_m, H/128].
+    combine_dtype: dtype of expert_y (bf16 or f32); y is always bf16.
+    """
+
+    num_experts: int
+    experts_per_token: int
+    hidden: int
+    max_num_tokens: int
+    world_size: int
+    dp_size: int = 1
+    dispatch_dtype: Any = jnp.bfloat16
+    combine_dtype: Any = jnp.bfloat16
+
+    def __post_init__(self):
+        for name in ("num_experts", "experts_per_token", "hidden", "max_num_tokens",
+                     "world_size", "dp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        object.__setattr__(self, "dispatch_dtype",
+                           _check_dtype("dispatch_dtype", self.dispatch_dtype, DISPATCH_DTYPES))
+        object.__setattr__(self, "combine_dtype",
+                           _check_dtype("combine_dtype", self.combine_dtype, COMBINE_DTYPES))
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token} exceeds "
+                             f"num_experts={self.num_experts}")
+        if self.num_experts % self.world_size:
+            raise ValueError(f"num_experts={self.num_experts} is not divisible by the "
+                             f"{self.world_size} ranks of the expert-parallel axis")
+        if self.world_size % self.dp_size:
+            raise ValueError(f"world_size={self.world_size} is not divisible by "
+                             f"dp_size={self.dp_size}")
+        row_bytes = self.hidden * self.dispatch_dtype.itemsize
+        if row_bytes % ROW_ALIGN_BYTES:
+            raise ValueError(f"hidden={self.hidden} gives {row_bytes}-byte "
+                             f"{self.dispatch_dtype.name} rows; rows must be a multiple of "
+                             f"{ROW_ALIGN_BYTES} bytes")
+        out_row_bytes = self.hidden * self.combine_dtype.itemsize
+        if out_row_bytes % ROW_ALIGN_BYTES:
+            raise ValueError(f"hidden={self.hidden} gives {out_row_bytes}-byte "
+                             f"{self.combine_dtype.name} rows; rows must be a multiple of "
+                             f"{ROW_ALIGN_BYTES} bytes")
+        if self.is_fp8 and self.hidden % SCALE_BLOCK:
+            raise ValueError(f"hidden={self.hidden} is not a multiple of the fp8 scale block "
+                             f"({SCALE_BLOCK})")
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dispatch_dtype == np.dtype(jnp.float8_e4m3fn)
+
+    @property
+    def num_local_experts(self) -> int:
+        """L = E / EP experts held by each rank."""
+        return self.num_experts // self.world_size
+
+    @property
+    def num_dp_groups(self) -> int:
+        return self.world_size // self.dp_size
+
+    @property
+    def max_recv_tokens(self) -> int:
+        """Rows per local expert: each DP group sends a token at most once per expert."""
+        return self.max_num_tokens * self.num_dp_groups
+
+    @property
+    def num_scales(self) -> int:
+        """f32 block scales per token row (0 for bf16 dispatch)."""
+        return math.ceil(self.hidden / SCALE_BLOCK) if self.is_fp8 else 0
+
+    def with_(self, **changes) -> "MoEConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelTuning:
+    """Launch shape of the CUDA kernels. Presets: DEFAULT; `SHARED_GPU` for several PEs on one GPU."""
+
+    num_blocks: int = 0  # 0: derive from the SM count the process sees
+    warps_per_block: int = 16
+
+    def __post_init__(self):
+        if self.num_blocks < 0:
+            raise ValueError(f"num_blocks={self.num_blocks} must be >= 0 (0 = auto)")
+        if not 2 <= self.warps_per_block <= 32:
+            raise ValueError(f"warps_per_block={self.warps_per_block} must be in [2, 32]")
+
+
+KernelTuning.DEFAULT = KernelTuning()

@@ -1,0 +1,21 @@
+"""Errors raised by jax_moe_comm: named, so that callers can tell a stalled peer from bad data."""
+
+
+class MoECommError(RuntimeError):
+    """Base class of the runtime errors reported by the all-to-all kernels."""
+
+
+class PeerTimeoutError(MoECommError):
+    """A bounded wait for a peer ran out: the peer never sent (crashed, or skipped a call)."""
+
+
+class InvalidRoutingError(MoECommError):
+    """Routing data seen at run time was out of range (expert index, num_tokens)."""
+
+
+class ProtocolError(MoECommError):
+    """The split API was misused: a recv without its send, two sends in flight on one handle."""
+
+
+class NativeUnavailableError(MoECommError):
+    """The CUDA backend was asked for but cannot run here (not built, no GPU, wrong NVSHMEM)."""

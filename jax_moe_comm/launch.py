@@ -1,0 +1,187 @@
+"""Start N processes with jax.distributed set up: `python -m jax_moe_comm.launch -n N -- CMD`.
+
+Each child gets JAX_MOE_COMM_{COORDINATOR,NUM_PROCESSES,PROCESS_ID} (read by
+`jax_moe_comm.distributed.initialize()`), one GPU each by default, or all on GPU 0 with
+--oversubscribe (CUDA MPS started and stopped here, 100/N of the SMs per process). Output
+lines are prefixed with the rank. If one rank fails or the timeout passes, the others are
+sent SIGTERM, then SIGKILL, and the launcher exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+# Safe defaults for NVSHMEM on one node (DESIGN section 9); a caller's own values win.
+NVSHMEM_DEFAULTS = {
+    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
+    "NVSHMEM_DISABLE_NVLS": "1",  # never NVLink multicast on shared hosts
+    "NVSHMEM_SYMMETRIC_SIZE": "2G",
+    "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+}
+ONE_GPU_DEFAULTS = {
+    "NVSHMEM_REMOTE_TRANSPORT": "none",
+    "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY": "1",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gpu_count() -> int:
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+class Mps:
+    """A private CUDA MPS control daemon for the duration of the run."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="jmc_mps_")
+        self.env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(self.dir, "pipe"),
+                    "CUDA_MPS_LOG_DIRECTORY": os.path.join(self.dir, "log")}
+        for d in self.env.values():
+            os.makedirs(d)
+
+    def start(self):
+        env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": "0"}
+        subprocess.run(["nvidia-cuda-mps-control", "-d"], env=env, check=True)
+        time.sleep(1.0)
+
+    def stop(self):
+        env = {**os.environ, **self.env}
+        try:
+            subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env=env,
+                           timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _pump(rank: int, stream, out):
+    for line in iter(stream.readline, ""):
+        out.write(f"[rank {rank}] {line}")
+        out.flush()
+    stream.close()
+
+
+def _stop_all(procs, grace_s: float = 5.0):
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.time() + grace_s
+    for p in procs:
+        while p.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        if p.poll() is None:
+            p.kill()
+
+
+def run(num_processes: int, cmd: list[str], *, oversubscribe: bool = False,
+        timeout_s: float = 600.0, platform: str = "auto", out=sys.stdout) -> int:
+    """Run `cmd` N times; returns 0 when every rank exited 0."""
+    if num_processes < 1:
+        raise ValueError(f"-n {num_processes}: need at least one process")
+    if not cmd:
+        raise ValueError("no command given after --")
+    gpus = gpu_count() if platform in ("auto", "gpu") else 0
+    if platform == "gpu" and gpus == 0:
+        raise RuntimeError("--platform gpu, but nvidia-smi lists no GPU")
+    use_gpu = gpus > 0
+    if use_gpu and not oversubscribe and num_processes > gpus:
+        raise RuntimeError(f"-n {num_processes} needs {num_processes} GPUs, {gpus} present; "
+                           "use --oversubscribe to run them all on GPU 0 under MPS")
+    coordinator = f"127.0.0.1:{free_port()}"
+    base = dict(os.environ)
+    mps = None
+    if use_gpu:
+        for key, value in NVSHMEM_DEFAULTS.items():
+            base.setdefault(key, value)
+        if oversubscribe or gpus == 1:
+            for key, value in ONE_GPU_DEFAULTS.items():
+                base.setdefault(key, value)
+        if oversubscribe and num_processes > 1:
+            mps = Mps()
+            mps.start()
+            base.update(mps.env)
+            base["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, 100 // num_processes))
+    else:
+        base["JAX_PLATFORMS"] = "cpu"
+    base["NVSHMEM_DISABLE_NVLS"] = "1"
+    base["PYTHONUNBUFFERED"] = "1"
+
+    procs, pumps = [], []
+    try:
+        for rank in range(num_processes):
+            env = dict(base)
+            env.update(JAX_MOE_COMM_COORDINATOR=coordinator,
+                       JAX_MOE_COMM_NUM_PROCESSES=str(num_processes),
+                       JAX_MOE_COMM_PROCESS_ID=str(rank))
+            if use_gpu:
+                env["CUDA_VISIBLE_DEVICES"] = "0" if oversubscribe else str(rank)
+            p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, bufsize=1)
+            procs.append(p)
+            t = threading.Thread(target=_pump, args=(rank, p.stdout, out), daemon=True)
+            t.start()
+            pumps.append(t)
+        deadline = time.time() + timeout_s
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                out.write(f"[launch] rank {rank} exited with {code}; stopping the others\n")
+                _stop_all(procs)
+                return code if code > 0 else 1
+            if all(c == 0 for c in codes):
+                return 0
+            if time.time() > deadline:
+                out.write(f"[launch] timeout after {timeout_s:.0f} s; stopping every rank\n")
+                _stop_all(procs)
+                return 124
+            time.sleep(0.05)
+    finally:
+        _stop_all(procs)
+        for t in pumps:
+            t.join(timeout=5)
+        if mps is not None:
+            mps.stop()
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        print("usage: python -m jax_moe_comm.launch -n N [--oversubscribe] [--timeout S] "
+              "-- CMD ...", file=sys.stderr)
+        return 2
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(prog="python -m jax_moe_comm.launch")
+    parser.add_argument("-n", "--num-processes", type=int, required=True)
+    parser.add_argument("--oversubscribe", action="store_true",
+                        help="run every process on GPU 0 under CUDA MPS")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
+    parser.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto")
+    args = parser.parse_args(argv[:split])
+    return run(args.num_processes, argv[split + 1:], oversubscribe=args.oversubscribe,
+               timeout_s=args.timeout, platform=args.platform)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Trace-time validation and routing normalisation shared by every backend."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import MoEConfig
+
+
+def _shape_str(x) -> str:
+    return f"{tuple(x.shape)} {np.dtype(x.dtype).name}"
+
+
+def check_array(name: str, x, shape: tuple, dtype) -> None:
+    """Raise a TypeError/ValueError naming `name` unless x has exactly this shape and dtype."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {tuple(shape)} "
+                         f"(per-rank shape inside shard_map)")
+    if np.dtype(x.dtype) != np.dtype(dtype):
+        raise TypeError(f"{name} has dtype {np.dtype(x.dtype).name}; expected "
+                        f"{np.dtype(dtype).name}")
+
+
+def check_num_tokens(cfg: MoEConfig, num_tokens):
+    """num_tokens: a scalar int32 array (or Python int); a static value is range-checked now."""
+    if isinstance(num_tokens, (int, np.integer)) and not isinstance(num_tokens, bool):
+        value = int(num_tokens)
+    else:
+        if not hasattr(num_tokens, "shape") or tuple(num_tokens.shape) not in ((), (1,)):
+            raise ValueError(f"num_tokens must be a scalar int32 array, got "
+                             f"{getattr(num_tokens, 'shape', type(num_tokens).__name__)}")
+        if not jnp.issubdtype(num_tokens.dtype, jnp.integer):
+            raise TypeError(f"num_tokens has dtype {np.dtype(num_tokens.dtype).name}; "
+                            "expected int32")
+        try:
+            value = int(np.asarray(num_tokens).reshape(()))  # concrete only
+        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError,
+                TypeError):
+            value = None
+    if value is not None and not 0 <= value <= cfg.max_num_tokens:
+        raise ValueError(f"num_tokens={value} is outside [0, max_num_tokens="
+                         f"{cfg.max_num_tokens}]")
+    return jnp.asarray(num_tokens, jnp.int32).reshape(())
+
+
+def check_routing(cfg: MoEConfig, indices, weights=None) -> None:
+    shape = (cfg.max_num_tokens, cfg.experts_per_token)
+    if not hasattr(indices, "dtype") or not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise TypeError(f"indices must be an int32 array, got "
+                        f"{getattr(indices, 'dtype', type(indices).__name__)}")
+    check_array("indices", indices, shape, jnp.int32)
+    if weights is not None:
+        check_array("weights", weights, shape, jnp.float32)
+
+
+def check_tokens(cfg: MoEConfig, x, x_scale) -> None:
+    check_array("x", x, (cfg.max_num_tokens, cfg.hidden), cfg.dispatch_dtype)
+    if cfg.is_fp8:
+        if x_scale is None:
+            raise ValueError("x_scale is required for float8_e4m3fn dispatch: shape "
+                             f"({cfg.max_num_tokens}, {cfg.num_scales}) float32")
+        check_array("x_scale", x_scale, (cfg.max_num_tokens, cfg.num_scales), jnp.float32)
+    elif x_scale is not None:
+        raise ValueError("x_scale is only taken with float8_e4m3fn dispatch; this handle "
+                         f"dispatches {cfg.dispatch_dtype.name}")
+
+
+def first_occurrence(indices):
+    """indices with a repeated expert in one row replaced by -1 after its first slot.
+
+    A token routed twice to one expert is sent once; combine gives that row the sum of
+    the repeated slots' weights (see merged_weights), which is exactly the dense result.
+    """
+    k = indices.shape[-1]
+    same = indices[..., :, None] == indices[..., None, :]  # [m, j, j']
+    earlier = jnp.tril(jnp.ones((k, k), bool), -1)  # j' < j
+    repeated = jnp.any(same & earlier, axis=-1)
+    return jnp.where(repeated, -1, indices)
+
+
+def merged_weights(indices, weights):
+    """Per slot: the summed weight of every slot naming the same expert, on its first slot."""
+    same = (indices[..., :, None] == indices[..., None, :]).astype(weights.dtype)
+    summed = jnp.einsum("mjl,ml->mj", same, weights)
+    first = first_occurrence(indices)
+    return jnp.where(first >= 0, summed, 0.0)
+
+
+def valid_slots(cfg: MoEConfig, indices, num_tokens):
+    """Mask of (token, slot) pairs that are routed: in-range token, in-range expert."""
+    rows = jnp.arange(cfg.max_num_tokens)[:, None] < num_tokens
+    return rows & (indices >= 0) & (indices < cfg.num_experts)
+
+
+def axis_size(axis_name) -> int:
+    try:
+        return jax.lax.axis_size(axis_name)
+    except NameError as e:
+        raise ValueError(f"axis_name={axis_name!r} is not bound: call the all-to-all ops "
+                         "inside jax.shard_map over the expert-parallel mesh axis") from e
+
+
+def check_axis(cfg: MoEConfig, axis_name) -> None:
+    size = axis_size(axis_name)
+    if size != cfg.world_size:
+        raise ValueError(f"mesh axis {axis_name!r} has {size} devices but the handle was "
+                         f"made for world_size={cfg.world_size}")
