@@ -1,0 +1,185 @@
+"""GPU suite, run on every rank by the launcher: the CPU suite's oracle on the nvshmem backend.
+
+    python -m jax_moe_comm.launch -n N --oversubscribe -- python tests/gpu_worker.py [--quick]
+
+Prints one `PASS name` / `FAIL name: why` line per case on rank 0 and exits non-zero if any
+case failed on any rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+
+import jax_moe_comm.distributed as dist
+
+RANK, WORLD = dist.initialize()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jax_moe_comm import (AllToAll, InvalidRoutingError, MoEConfig, PeerTimeoutError,  # noqa: E402
+                          testing as T)
+
+bf16, fp8, f32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
+failures: list[str] = []
+
+
+def log(msg: str) -> None:
+    if RANK == 0:
+        print(msg, flush=True)
+
+
+def case(name: str):
+    def wrap(fn):
+        def run(*args, **kwargs):
+            t0 = time.time()
+            try:
+                detail = fn(*args, **kwargs)
+                log(f"PASS {name} ({time.time() - t0:.1f}s){' ' + detail if detail else ''}")
+            except Exception as e:  # noqa: BLE001 - report every case, then fail at the end
+                failures.append(name)
+                print(f"FAIL {name} on rank {RANK}: {type(e).__name__}: {e}", flush=True)
+                traceback.print_exc()
+        return run
+    return wrap
+
+
+def configs(quick: bool):
+    W = WORLD
+    out = [
+        ("tiny-bf16", MoEConfig(num_experts=max(8, W), experts_per_token=2, hidden=128,
+                                max_num_tokens=4, world_size=W)),
+        ("small-fp8", MoEConfig(num_experts=16 if 16 % W == 0 else W * 2, experts_per_token=4,
+                                hidden=256, max_num_tokens=16, world_size=W,
+                                dispatch_dtype=fp8)),
+    ]
+    if W % 2 == 0:
+        out.append(("dp2-bf16-f32", MoEConfig(num_experts=4 * W, experts_per_token=3,
+                                              hidden=512, max_num_tokens=8, world_size=W,
+                                              dp_size=2, combine_dtype=f32)))
+    if not quick:
+        out.append(("V2Lite-fp8", MoEConfig(num_experts=64, experts_per_token=6, hidden=2048,
+                                            max_num_tokens=32, world_size=W,
+                                            dispatch_dtype=fp8)))
+        out.append(("R1-fp8", MoEConfig(num_experts=256, experts_per_token=8, hidden=7168,
+                                        max_num_tokens=128, world_size=W, dispatch_dtype=fp8)))
+        out.append(("R1-bf16", MoEConfig(num_experts=256, experts_per_token=8, hidden=7168,
+                                         max_num_tokens=128, world_size=W)))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--steps", type=int, default=100)
+    args = parser.parse_args()
+    mesh = T.make_mesh(WORLD)
+    log(f"world={WORLD} devices={jax.devices()} backend={jax.default_backend()}")
+
+    for name, cfg in configs(args.quick):
+        @case(f"EP{WORLD}-{name}")
+        def run_config(cfg=cfg):
+            with AllToAll(cfg, backend="nvshmem") as a2a:
+                fused, split = T.make_step(a2a, mesh), T.make_step(a2a, mesh, split=True)
+                worst = 0.0
+                for seed, routing in enumerate(("random", "skewed", "duplicates",
+                                                "empty_ranks")):
+                    for step in (fused, split):
+                        inp = T.make_inputs(cfg, 1000 * seed + WORLD, routing)
+                        worst = max(worst, T.run_and_check(a2a, mesh, inp, step=step))
+                a2a.check()
+                mib = a2a.symmetric_bytes / 2**20
+                return f"max|err|={worst:.3g} symmetric={mib:.1f} MiB/rank"
+        run_config()
+
+    tiny = configs(True)[0][1]
+
+    @case(f"EP{WORLD}-{args.steps}-steps-one-handle")
+    def many_steps():
+        with AllToAll(tiny, backend="nvshmem") as a2a:
+            step = T.make_step(a2a, mesh)
+            for i in range(args.steps):
+                T.run_and_check(a2a, mesh, T.make_inputs(tiny, 7919 * i + 1), step=step)
+            a2a.check()
+    many_steps()
+
+    @case(f"EP{WORLD}-two-handles")
+    def two_handles():
+        other = configs(True)[1][1]
+        with AllToAll(tiny, backend="nvshmem") as a, AllToAll(other, backend="nvshmem") as b:
+            sa, sb = T.make_step(a, mesh), T.make_step(b, mesh, split=True)
+            for i in range(5):
+                T.run_and_check(a, mesh, T.make_inputs(tiny, i), step=sa)
+                T.run_and_check(b, mesh, T.make_inputs(other, 100 + i), step=sb)
+            a.check()
+            b.check()
+    two_handles()
+
+    @case(f"EP{WORLD}-bad-expert-index-reported")
+    def bad_index():
+        with AllToAll(tiny, backend="nvshmem") as a2a:
+            inp = T.make_inputs(tiny, 5, "bad_index")
+            step = T.make_step(a2a, mesh)
+            jax.block_until_ready(step(*T.global_inputs(tiny, mesh, inp)))
+            holds_bad_token = RANK // tiny.dp_size == 0
+            try:
+                a2a.check()
+                raised = False
+            except InvalidRoutingError as e:
+                raised = True
+                print(f"rank {RANK} reported: {e}", flush=True)
+            assert raised == holds_bad_token, f"rank {RANK}: raised={raised}"
+    bad_index()
+
+    if WORLD >= 2:
+        @case(f"EP{WORLD}-silent-peer-times-out")
+        def silent_peer():
+            with AllToAll(tiny, backend="nvshmem", timeout_s=2.0) as a2a:
+                step = T.make_step(a2a, mesh)
+                if RANK != WORLD - 1:  # the last rank never takes part
+                    t0 = time.time()
+                    jax.block_until_ready(step(*T.global_inputs(tiny, mesh,
+                                                                T.make_inputs(tiny, 3))))
+                    waited = time.time() - t0
+                    try:
+                        a2a.check()
+                        raise AssertionError("no PeerTimeoutError")
+                    except PeerTimeoutError as e:
+                        print(f"rank {RANK} after {waited:.1f}s: {e}", flush=True)
+                else:
+                    # Still compile the step: shapes must agree, but nothing is executed.
+                    step.lower(*T.global_inputs(tiny, mesh, T.make_inputs(tiny, 3)))
+        silent_peer()
+
+    @case(f"EP{WORLD}-protocol-misuse-reported")
+    def misuse():
+        with AllToAll(tiny, backend="nvshmem") as a2a:
+            spec = jax.sharding.PartitionSpec("ep")
+
+            def send_only(x, idx, nt):
+                return a2a.dispatch_send(x, idx, nt.reshape(())).state
+
+            fn = jax.jit(jax.shard_map(send_only, mesh=mesh, in_specs=(spec, spec, spec),
+                                       out_specs=spec))
+            x, _, idx, _, nt = T.global_inputs(tiny, mesh, T.make_inputs(tiny, 9))
+            jax.block_until_ready(fn(x, idx, nt))
+            try:
+                jax.block_until_ready(fn(x, idx, nt))
+                raise AssertionError("second dispatch_send in flight was not refused")
+            except Exception as e:  # noqa: BLE001 - XLA wraps the handler's error
+                assert "ProtocolError" in str(e), str(e)
+    misuse()
+
+    ok = not failures
+    log("GPU SUITE " + ("PASSED" if ok else f"FAILED: {failures}"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.exit(code)
