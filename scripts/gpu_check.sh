@@ -11,7 +11,7 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1
 status=0
 
-echo "== commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u +%FT%TZ)"
+echo "== commit ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}, $(date -u +%FT%TZ)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 $PY -c "import jax, nvidia.nvshmem as n; print('jax', jax.__version__, 'nvshmem at', list(n.__path__)[0])"
 
