@@ -125,6 +125,7 @@ def run(num_processes: int, cmd: list[str], *, oversubscribe: bool = False,
         base["JAX_PLATFORMS"] = "cpu"
     base["NVSHMEM_DISABLE_NVLS"] = "1"
     base["PYTHONUNBUFFERED"] = "1"
+    base.setdefault("PYTHONFAULTHANDLER", "1")  # a segfaulting rank prints its stack
 
     procs, pumps = [], []
     try:

@@ -16,13 +16,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 $PY -c "import jax, nvidia.nvshmem as n; print('jax', jax.__version__, 'nvshmem at', list(n.__path__)[0])"
 
 echo "== build"
-t0=$(date +%s)
-if ! $PY -m pip install --no-build-isolation --no-deps -q \
-    -C cmake.define.JMC_CUDA=ON -C cmake.define.JMC_CUDA_ARCHS="${JMC_CUDA_ARCHS:-90}" \
-    -C build-dir=/tmp/jmc_build . > "$OUT/build.log" 2>&1; then
-  tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
-fi
-echo "built in $(( $(date +%s) - t0 )) s"
+bash "$(dirname "$0")/gpu_build.sh" || exit 1
 cd /tmp  # import the installed package, not the source tree
 $PY -c "import jax_moe_comm.native as n; print('native:', n.unavailable_reason() or 'available')"
 
