@@ -71,6 +71,8 @@ def make_inputs(cfg: MoEConfig, seed: int, routing: str = "random",
         num_tokens = np.full(G, m, np.int32)
     if routing == "empty_ranks":
         num_tokens[::2] = 0
+    if routing == "bad_index":
+        num_tokens[0] = m  # the bad token is live
     rep = lambda a: None if a is None else np.repeat(a, dp, axis=0)  # noqa: E731
     return Inputs(rep(x), rep(x_scale), rep(indices), rep(weights), rep(num_tokens))
 

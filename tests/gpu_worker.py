@@ -172,6 +172,11 @@ def main() -> int:
                 raise AssertionError("second dispatch_send in flight was not refused")
             except Exception as e:  # noqa: BLE001 - XLA wraps the handler's error
                 assert "ProtocolError" in str(e), str(e)
+            finally:
+                # JAX keeps the failed execution's runtime token and re-raises it at every
+                # later effectful call and at exit; this failure was the point of the test.
+                from jax._src import dispatch
+                dispatch.runtime_tokens.clear()
     misuse()
 
     ok = not failures

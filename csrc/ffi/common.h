@@ -18,8 +18,8 @@ inline const char* stage_name(Stage s) {
   return "?";
 }
 
-// Looks up `id`, returns an error if the kernels recorded one earlier (read from pinned memory,
-// no sync) or if the handle is not in stage `expected`; on success moves it to `next`.
+// Looks up `id`, returns an error if the kernels recorded one in an earlier cycle (read from
+// pinned memory, no sync) or if the handle is not in stage `expected`; on success moves it to `next`.
 inline xla::ffi::Error enter(int64_t id, Stage expected, Stage next, const char* op,
                              Handle** out) {
   Handle* h = find_handle(id);
@@ -27,7 +27,9 @@ inline xla::ffi::Error enter(int64_t id, Stage expected, Stage next, const char*
     return xla::ffi::Error(xla::ffi::ErrorCode::kInvalidArgument,
                            std::string(op) + ": no all-to-all handle " + std::to_string(id) +
                                " (closed, or created in another order on this process)");
-  const std::string recorded = describe_error(*h->error_host);
+  // A recorded error refuses the next cycle, never the rest of the current one: the peers
+  // are mid-cycle too, and aborting here would leave them waiting for our half.
+  const std::string recorded = expected == Stage::kIdle ? describe_error(*h->error_host) : "";
   if (!recorded.empty())
     return xla::ffi::Error(xla::ffi::ErrorCode::kAborted,
                            recorded + " (handle " + std::to_string(id) + " is unusable)");

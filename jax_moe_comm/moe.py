@@ -1,0 +1,121 @@
+"""A MoE layer over the all-to-all: router, top-k, dispatch, expert MLPs, combine.
+
+The shared expert runs between dispatch_send and dispatch_recv, so on the nvshmem backend it
+overlaps the tokens' flight. Expert weights are sharded over the EP axis (rank r holds experts
+[r*L, (r+1)*L)); router and shared expert are replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .api import AllToAll
+from .config import SCALE_BLOCK, MoEConfig
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoELayerConfig:
+    num_experts: int = 32
+    experts_per_token: int = 4
+    hidden: int = 256
+    ffn: int = 512
+    max_num_tokens: int = 32  # per rank
+    shared_expert: bool = True
+    fp8_dispatch: bool = False
+
+    def comm_config(self, world_size: int) -> MoEConfig:
+        return MoEConfig(num_experts=self.num_experts, experts_per_token=self.experts_per_token,
+                         hidden=self.hidden, max_num_tokens=self.max_num_tokens,
+                         world_size=world_size,
+                         dispatch_dtype=jnp.float8_e4m3fn if self.fp8_dispatch else jnp.bfloat16)
+
+
+def init_params(cfg: MoELayerConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Full (unsharded) parameters as numpy, the same on every process for one seed."""
+    rng = np.random.default_rng(seed)
+    H, F, E = cfg.hidden, cfg.ffn, cfg.num_experts
+    p = {
+        "router": rng.standard_normal((H, E)).astype(np.float32) / np.sqrt(H),
+        "w_in": (rng.standard_normal((E, H, F)) / np.sqrt(H)).astype(jnp.bfloat16),
+        "w_out": (rng.standard_normal((E, F, H)) / np.sqrt(F)).astype(jnp.bfloat16),
+    }
+    if cfg.shared_expert:
+        p["shared_in"] = (rng.standard_normal((H, F)) / np.sqrt(H)).astype(jnp.bfloat16)
+        p["shared_out"] = (rng.standard_normal((F, H)) / np.sqrt(F)).astype(jnp.bfloat16)
+    return p
+
+
+def route(router, x, k):
+    """Top-k experts per token and their softmax weights (f32)."""
+    logits = jnp.dot(x.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
+    top, idx = jax.lax.top_k(logits, k)
+    return idx.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
+
+
+def quantize_fp8(x):
+    """Per 1x128 block: scale = max|x| / 448, x_fp8 = x / scale."""
+    m, H = x.shape
+    blocks = x.astype(jnp.float32).reshape(m, H // SCALE_BLOCK, SCALE_BLOCK)
+    scale = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), 1e-12) / FP8_MAX
+    q = (blocks / scale[..., None]).reshape(m, H).astype(jnp.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q, scale):
+    return q.astype(jnp.float32) * jnp.repeat(scale, SCALE_BLOCK, axis=-1)
+
+
+def mlp(x, w_in, w_out):
+    h = jax.nn.silu(jnp.dot(x, w_in, preferred_element_type=jnp.float32))
+    return jnp.dot(h.astype(jnp.bfloat16), w_out, preferred_element_type=jnp.float32)
+
+
+def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens):
+    """Per rank, inside shard_map: x [max_m, H] bf16 -> y [max_m, H] bf16."""
+    indices, weights = route(params["router"], x, cfg.experts_per_token)
+    if cfg.fp8_dispatch:
+        xq, scale = quantize_fp8(x)
+        pending = a2a.dispatch_send(xq, indices, num_tokens, x_scale=scale)
+    else:
+        pending = a2a.dispatch_send(x, indices, num_tokens)
+    shared = mlp(x, params["shared_in"], params["shared_out"]) if cfg.shared_expert else None
+    out = a2a.dispatch_recv(pending)
+    ex = out.expert_x
+    ex = dequantize_fp8(ex, out.expert_x_scale).astype(jnp.bfloat16) if cfg.fp8_dispatch else ex
+    h = jax.nn.silu(jnp.einsum("lrh,lhf->lrf", ex, params["w_in"],
+                               preferred_element_type=jnp.float32))
+    expert_y = jnp.einsum("lrf,lfh->lrh", h.astype(jnp.bfloat16), params["w_out"],
+                          preferred_element_type=jnp.float32).astype(a2a.config.combine_dtype)
+    y = a2a.combine(expert_y, out.routing, indices, weights, num_tokens)
+    if shared is not None:
+        y = (y.astype(jnp.float32) + shared).astype(jnp.bfloat16)
+    rows = jnp.arange(cfg.max_num_tokens)[:, None] < num_tokens
+    return jnp.where(rows, y, 0)
+
+
+def dense_forward(cfg: MoELayerConfig, params, x, num_tokens):
+    """The same layer on one device, every expert applied densely: the oracle of the demo."""
+    indices, weights = route(params["router"], x, cfg.experts_per_token)
+    if cfg.fp8_dispatch:
+        xe = dequantize_fp8(*quantize_fp8(x)).astype(jnp.bfloat16)
+    else:
+        xe = x
+
+    def add_expert(e, y):
+        w = jnp.sum(jnp.where(indices == e, weights, 0.0), axis=-1, keepdims=True)
+        ye = mlp(xe, params["w_in"][e], params["w_out"][e]).astype(jnp.bfloat16)
+        return y + w * ye.astype(jnp.float32)
+
+    y = jax.lax.fori_loop(0, cfg.num_experts, add_expert,
+                          jnp.zeros(x.shape, jnp.float32))
+    if cfg.shared_expert:
+        y = y + mlp(x, params["shared_in"], params["shared_out"])
+    y = y.astype(jnp.bfloat16)
+    rows = jnp.arange(x.shape[0])[:, None] < num_tokens
+    return jnp.where(rows, y, 0)
