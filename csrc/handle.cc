@@ -85,6 +85,8 @@ std::string create_handle(const Shape& shape, Launch launch, uint64_t timeout_ns
   auto* words = static_cast<uint32_t*>(h->scratch_memory);
   h->scratch = LocalScratch{words, words + shape.world_size, words + shape.world_size + L};
 
+  err = cudaMalloc(&h->timings, kTimingSlots * sizeof(uint64_t));
+  if (err != cudaSuccess) return cuda_failure(err, "cudaMalloc(timings)");
   err = cudaHostAlloc(reinterpret_cast<void**>(&h->error_host), sizeof(ErrorRecord),
                       cudaHostAllocMapped);
   if (err != cudaSuccess) return cuda_failure(err, "cudaHostAlloc(error record)");
@@ -115,6 +117,7 @@ std::string destroy_handle(int64_t id) {
   nvshmem_barrier_all();  // nobody still writes into our buffers
   nvshmem_free(h->symmetric);
   cudaFree(h->scratch_memory);
+  cudaFree(h->timings);
   cudaFreeHost(h->error_host);
   return "";
 }
@@ -128,6 +131,8 @@ std::string create_dense_handle(int world_size, size_t chunk_bytes, int64_t* id_
   h->src = nvshmem_malloc(world_size * chunk_bytes);
   h->dst = nvshmem_malloc(world_size * chunk_bytes);
   if (h->src == nullptr || h->dst == nullptr) return "nvshmem_malloc failed for the dense a2a";
+  const cudaError_t err = cudaMalloc(&h->timings, 2 * sizeof(uint64_t));
+  if (err != cudaSuccess) return cuda_failure(err, "cudaMalloc(dense timings)");
   std::lock_guard<std::mutex> lock(g_mutex);
   h->id = g_next_id++;
   *id_out = h->id;
@@ -148,6 +153,7 @@ std::string destroy_dense_handle(int64_t id) {
   nvshmem_barrier_all();
   nvshmem_free(h->dst);
   nvshmem_free(h->src);
+  cudaFree(h->timings);
   return "";
 }
 

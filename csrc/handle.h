@@ -30,11 +30,17 @@ struct Handle {
   ErrorRecord* error_device = nullptr;  // device view of the same memory
   Stage stage = Stage::kIdle;
   uint64_t barrier_epoch = 0;
+  // Benchmarks only: when on, each handler brackets its kernel with %globaltimer stamps into
+  // timings[2 * phase] (start) and timings[2 * phase + 1] (end), phases 0..3 in cycle order.
+  bool timing = false;
+  uint64_t* timings = nullptr;  // device, kTimingSlots
 
   CommonParams common() const {
     return CommonParams{shape, sym, scratch, error_device, rank, timeout_ns};
   }
 };
+
+constexpr int kTimingSlots = 8;
 
 // Dense all-to-all baseline: two symmetric buffers of world * chunk bytes.
 struct DenseHandle {
@@ -43,6 +49,7 @@ struct DenseHandle {
   int world_size = 0;
   void* src = nullptr;
   void* dst = nullptr;
+  uint64_t* timings = nullptr;  // device, [start, end] of the last call
 };
 
 // All of these run on the host, outside any FFI execute (nvshmem_malloc is collective).

@@ -2,6 +2,10 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+#include <nvshmem.h>
+
+#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -18,6 +22,15 @@ void raise_if(const std::string& error) {
 }
 
 std::tuple<int, int, int> as_tuple(jmc::Version v) { return {v.major, v.minor, v.patch}; }
+
+std::vector<uint64_t> read_u64(const uint64_t* device, int n) {
+  std::vector<uint64_t> out(n);
+  const cudaError_t err = cudaMemcpy(out.data(), device, n * sizeof(uint64_t),
+                                     cudaMemcpyDeviceToHost);
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("cudaMemcpy(timings): ") + cudaGetErrorString(err));
+  return out;
+}
 
 template <typename Fn>
 nb::capsule handler_capsule(Fn* fn) {
@@ -77,6 +90,26 @@ NB_MODULE(_native, m) {
     if (h == nullptr) throw std::runtime_error("no handle " + std::to_string(id));
     return jmc::describe_error(*h->error_host);
   });
+  m.def("set_timing", [](int64_t id, bool on) {
+    jmc::Handle* h = jmc::find_handle(id);
+    if (h == nullptr) throw std::runtime_error("no handle " + std::to_string(id));
+    h->timing = on;
+  });
+  // Copies the timing slots to the host (synchronizes the device): ns of %globaltimer.
+  m.def("read_timings", [](int64_t id) {
+    jmc::Handle* h = jmc::find_handle(id);
+    if (h == nullptr) throw std::runtime_error("no handle " + std::to_string(id));
+    return read_u64(h->timings, jmc::kTimingSlots);
+  });
+  m.def("read_dense_timings", [](int64_t id) {
+    jmc::DenseHandle* h = jmc::find_dense_handle(id);
+    if (h == nullptr) throw std::runtime_error("no dense handle " + std::to_string(id));
+    return read_u64(h->timings, 2);
+  });
+  m.def("barrier_all", [] {
+    if (!jmc::initialized()) throw std::runtime_error("NVSHMEM is not initialized");
+    nvshmem_barrier_all();
+  });
   m.def("create_dense_handle", [](int world, size_t chunk_bytes) {
     int64_t id = 0;
     raise_if(jmc::create_dense_handle(world, chunk_bytes, &id));
@@ -90,7 +123,6 @@ NB_MODULE(_native, m) {
   targets["jmc_combine_send"] = handler_capsule(jmc::kCombineSend);
   targets["jmc_combine_recv"] = handler_capsule(jmc::kCombineRecv);
   targets["jmc_barrier"] = handler_capsule(jmc::kBarrier);
-  targets["jmc_timestamp"] = handler_capsule(jmc::kTimestamp);
   targets["jmc_dense_all_to_all"] = handler_capsule(jmc::kDenseAllToAll);
   m.attr("ffi_targets") = targets;
 }

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 from . import routing as rt
 from .config import KernelTuning, MoEConfig
@@ -39,6 +38,18 @@ class PendingCombine(NamedTuple):
     """Returned by combine_send; hand it to combine_recv."""
 
     state: Any
+
+
+def order_after(value, *deps):
+    """`value` (any pytree, e.g. a PendingDispatch), usable only once `deps` are computed.
+
+    XLA orders ops by data dependencies only. To overlap work with the wire time, write
+    `pending = dispatch_send(...); h = f(...); out = dispatch_recv(order_after(pending, h))`:
+    dispatch_recv then waits on the device only after f ran. No kernel is added
+    (lax.optimization_barrier).
+    """
+    tied, _ = jax.lax.optimization_barrier((value, deps))
+    return tied
 
 
 def _platform() -> str:
@@ -115,6 +126,11 @@ class AllToAll:
 
     def __exit__(self, *exc):
         self.close()
+
+    @property
+    def backend(self):
+        """The backend object (benchmarks use its barrier and timing hooks)."""
+        return self._backend
 
     @property
     def symmetric_bytes(self) -> int:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .api import AllToAll
+from .api import AllToAll, order_after
 from .config import SCALE_BLOCK, MoEConfig
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -85,6 +85,8 @@ def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens):
     else:
         pending = a2a.dispatch_send(x, indices, num_tokens)
     shared = mlp(x, params["shared_in"], params["shared_out"]) if cfg.shared_expert else None
+    if shared is not None:  # the shared expert runs while the tokens are on the wire
+        pending = order_after(pending, shared)
     out = a2a.dispatch_recv(pending)
     ex = out.expert_x
     ex = dequantize_fp8(ex, out.expert_x_scale).astype(jnp.bfloat16) if cfg.fp8_dispatch else ex

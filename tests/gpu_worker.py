@@ -19,7 +19,6 @@ RANK, WORLD = dist.initialize()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from jax_moe_comm import (AllToAll, InvalidRoutingError, MoEConfig, PeerTimeoutError,  # noqa: E402
                           testing as T)

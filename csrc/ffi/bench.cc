@@ -1,5 +1,4 @@
-// Benchmark helpers as FFI handlers: an on-stream barrier between ranks, a %globaltimer stamp,
-// and the dense NVSHMEM all-to-all baseline (nvshmemx_alltoallmem_on_stream).
+// Benchmark helpers as FFI handlers: an on-stream barrier between ranks and the dense NVSHMEM all-to-all baseline (nvshmemx_alltoallmem_on_stream).
 #include <cuda_runtime.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
@@ -24,13 +23,6 @@ ffi::Error Barrier(cudaStream_t stream, int64_t handle, ffi::AnyBuffer dep,
   return ffi::Error::Success();
 }
 
-// out[0] = %globaltimer when the stream reaches this point; `dep` orders it after its producer.
-ffi::Error Timestamp(cudaStream_t stream, ffi::AnyBuffer dep,
-                     ffi::Result<ffi::Buffer<ffi::U64>> out) {
-  JMC_RETURN_IF_CUDA_ERROR(launch_timestamp(out->typed_data(), stream));
-  return ffi::Error::Success();
-}
-
 // Moves world * chunk bytes from every rank to every rank. copy != 0 also copies `x` in and the
 // result out (for the correctness check); timing runs use copy = 0 (the a2a alone).
 ffi::Error DenseAllToAll(cudaStream_t stream, int64_t handle, int64_t copy, ffi::AnyBuffer x,
@@ -45,8 +37,10 @@ ffi::Error DenseAllToAll(cudaStream_t stream, int64_t handle, int64_t copy, ffi:
     JMC_RETURN_IF_CUDA_ERROR(
         cudaMemcpyAsync(h->src, x.untyped_data(), total, cudaMemcpyDeviceToDevice, stream));
   }
+  JMC_RETURN_IF_CUDA_ERROR(launch_timestamp(h->timings, stream));
   const int rc = nvshmemx_alltoallmem_on_stream(NVSHMEM_TEAM_WORLD, h->dst, h->src,
                                                 h->chunk_bytes, stream);
+  JMC_RETURN_IF_CUDA_ERROR(launch_timestamp(h->timings + 1, stream));
   if (rc != 0)
     return ffi::Error(ffi::ErrorCode::kInternal,
                       "nvshmemx_alltoallmem_on_stream returned " + std::to_string(rc));
@@ -66,12 +60,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBarrier, Barrier,
                                   .Attr<int64_t>("handle")
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kTimestamp, Timestamp,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::U64>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kDenseAllToAll, DenseAllToAll,
                               ffi::Ffi::Bind()

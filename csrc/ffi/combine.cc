@@ -24,7 +24,8 @@ ffi::Error CombineSend(cudaStream_t stream, int64_t handle, ffi::AnyBuffer exper
                                   rows * s.hidden * s.out_elem_bytes));
   CombineSendParams p{h->common(), static_cast<const uint8_t*>(expert_y.untyped_data()),
                       expert_num_tokens.typed_data(), row_source.typed_data()};
-  JMC_RETURN_IF_CUDA_ERROR(launch_combine_send(p, h->launch, stream));
+  JMC_RETURN_IF_CUDA_ERROR(
+      timed(*h, 2, stream, [&] { return launch_combine_send(p, h->launch, stream); }));
   return ffi::Error::Success();
 }
 
@@ -37,7 +38,8 @@ ffi::Error CombineRecv(cudaStream_t stream, int64_t handle, ffi::AnyBuffer ticke
   JMC_RETURN_IF_ERROR(check_bytes("y", y->size_bytes(), size_t(s.max_num_tokens) * s.hidden * 2));
   CombineRecvParams p{h->common(), indices.typed_data(), weights.typed_data(),
                       num_tokens.typed_data(), static_cast<uint16_t*>(y->untyped_data())};
-  JMC_RETURN_IF_CUDA_ERROR(launch_combine_recv(p, h->launch, stream));
+  JMC_RETURN_IF_CUDA_ERROR(
+      timed(*h, 3, stream, [&] { return launch_combine_recv(p, h->launch, stream); }));
   return ffi::Error::Success();
 }
 

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "handle.h"
+#include "kernels/kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jmc {
@@ -43,6 +44,19 @@ inline xla::ffi::Error enter(int64_t id, Stage expected, Stage next, const char*
   h->stage = next;
   *out = h;
   return xla::ffi::Error::Success();
+}
+
+// Launches `kernel` (a callable returning cudaError_t), bracketed by timestamps when the
+// handle's timing is on.
+template <typename Kernel>
+inline cudaError_t timed(const Handle& h, int phase, cudaStream_t stream, Kernel kernel) {
+  if (h.timing) {
+    const cudaError_t err = launch_timestamp(h.timings + 2 * phase, stream);
+    if (err != cudaSuccess) return err;
+  }
+  const cudaError_t err = kernel();
+  if (err != cudaSuccess || !h.timing) return err;
+  return launch_timestamp(h.timings + 2 * phase + 1, stream);
 }
 
 inline xla::ffi::Error check_bytes(const char* name, size_t got, size_t want) {

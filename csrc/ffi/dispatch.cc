@@ -29,7 +29,8 @@ ffi::Error DispatchSend(cudaStream_t stream, int64_t handle, ffi::AnyBuffer x,
                        static_cast<const uint8_t*>(x.untyped_data()),
                        s.num_scales ? static_cast<const float*>(x_scale.untyped_data()) : nullptr,
                        indices.typed_data(), num_tokens.typed_data()};
-  JMC_RETURN_IF_CUDA_ERROR(launch_dispatch_send(p, h->launch, stream));
+  JMC_RETURN_IF_CUDA_ERROR(
+      timed(*h, 0, stream, [&] { return launch_dispatch_send(p, h->launch, stream); }));
   return ffi::Error::Success();
 }
 
@@ -50,7 +51,8 @@ ffi::Error DispatchRecv(cudaStream_t stream, int64_t handle, ffi::AnyBuffer tick
       h->common(), static_cast<uint8_t*>(expert_x->untyped_data()),
       s.num_scales ? static_cast<float*>(expert_x_scale->untyped_data()) : nullptr,
       expert_num_tokens->typed_data(), row_source->typed_data()};
-  JMC_RETURN_IF_CUDA_ERROR(launch_dispatch_recv(p, h->launch, stream));
+  JMC_RETURN_IF_CUDA_ERROR(
+      timed(*h, 1, stream, [&] { return launch_dispatch_recv(p, h->launch, stream); }));
   return ffi::Error::Success();
 }
 

@@ -105,6 +105,14 @@ class NvshmemBackend:
         return self._call("jmc_barrier", self._ticket(dep), dep, side_effect=True)
 
     # -- host side -------------------------------------------------------------------------
+    def set_timing(self, on: bool) -> None:
+        """Benchmarks: bracket every kernel with %globaltimer stamps (read_timings)."""
+        self._mod.set_timing(self.handle, bool(on))
+
+    def read_timings(self) -> list[int]:
+        """ns stamps [start, end] of dispatch_send, dispatch_recv, combine_send, combine_recv."""
+        return list(self._mod.read_timings(self.handle))
+
     def check(self):
         self._mod.synchronize()
         raise_recorded(self._mod.handle_error(self.handle))
@@ -117,12 +125,6 @@ class NvshmemBackend:
     @property
     def symmetric_bytes(self) -> int:
         return int(self._mod.symmetric_bytes(self.handle))
-
-
-def timestamp(dep):
-    """u64[1] %globaltimer (ns) taken when XLA's stream reaches this point, after `dep`."""
-    return jax.ffi.ffi_call("jmc_timestamp", result_type(dep, (1,), jnp.uint64),
-                            has_side_effect=True)(dep)
 
 
 class DenseAllToAll:
@@ -139,8 +141,12 @@ class DenseAllToAll:
         return jax.ffi.ffi_call("jmc_dense_all_to_all", out, has_side_effect=True)(
             x, handle=np.int64(self.handle), copy=np.int64(int(copy)))
 
+    def read_timings(self) -> list[int]:
+        """ns stamps [start, end] of the last all-to-all on the stream."""
+        return list(self._mod.read_dense_timings(self.handle))
+
     def close(self):
         self._mod.destroy_dense_handle(self.handle)
 
 
-__all__ = ["NvshmemBackend", "DenseAllToAll", "timestamp", "ProtocolError"]
+__all__ = ["NvshmemBackend", "DenseAllToAll", "ProtocolError"]

@@ -1,0 +1,339 @@
+"""Dispatch/combine latency: ours against the dense NVSHMEM all-to-all and the copy floor.
+
+    python -m jax_moe_comm.launch -n 8 --oversubscribe -- \
+        python benchmarks/bench_all_to_all.py --out benchmarks/results
+
+Every sample: an on-stream barrier of all ranks, then dispatch_send, dispatch_recv (fused =
+the two back to back), combine_send, combine_recv, each bracketed on XLA's stream by
+%globaltimer stamps (kernel time, launch gaps included). dispatch_us = end of dispatch_recv -
+start of dispatch_send, combine_us likewise; a sample's value is the max over ranks; we report
+the median and p90 over samples. Correctness is checked against the oracle before timing.
+
+Baselines in the same run: `nvshmem_dense_a2a` (nvshmemx_alltoallmem_on_stream moving every
+rank's whole padded token block [max_m, row] to every rank, once for dispatch and once for
+combine), and XLA's all_to_all (reference backend) / ragged_all_to_all where XLA's own
+collectives can run (one process per GPU; not with several ranks on one GPU, where NCCL
+refuses). The floor: bytes that must cross HBM on this GPU (read + write of every sent row, the
+copy into expert_x, the combine reduction) over the device-to-device copy bandwidth measured in
+the same run with every rank copying at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import jax_moe_comm.distributed as dist
+
+RANK, WORLD = dist.initialize()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jax_moe_comm import AllToAll, MoEConfig, native, order_after, testing as T  # noqa: E402
+from jax_moe_comm.backends.nvshmem import DenseAllToAll  # noqa: E402
+
+CONFIGS = {"V2Lite": (64, 6, 2048), "R1": (256, 8, 7168)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    config: str
+    tokens: int
+    dtype: str  # "fp8" | "bf16"
+
+    def moe(self) -> MoEConfig:
+        E, k, H = CONFIGS[self.config]
+        dt = jnp.float8_e4m3fn if self.dtype == "fp8" else jnp.bfloat16
+        return MoEConfig(num_experts=E, experts_per_token=k, hidden=H,
+                         max_num_tokens=self.tokens, world_size=WORLD, dispatch_dtype=dt)
+
+
+def kv_gather(tag: str, payload) -> list:
+    """Every rank's JSON payload, in rank order, through JAX's key-value store."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        return [payload]
+    client.key_value_set(f"jmc_bench:{tag}:{RANK}", json.dumps(payload))
+    return [json.loads(client.blocking_key_value_get(f"jmc_bench:{tag}:{r}", 600_000))
+            for r in range(WORLD)]
+
+
+def wire_bytes(cfg: MoEConfig, inp: T.Inputs) -> tuple[int, int, int, int]:
+    """(dispatch bytes sent, rows landed in expert_x, combine rows sent, tokens) of rank 0."""
+    row = cfg.hidden * cfg.dispatch_dtype.itemsize + 4 * cfg.num_scales
+    L = cfg.num_local_experts
+    sends = rows = 0
+    for t in range(inp.num_tokens[0]):
+        experts = {int(e) for e in inp.indices[0, t] if e >= 0}
+        sends += len({e // L for e in experts})
+        rows += len(experts)
+    return sends * row, rows * row, rows * cfg.hidden * cfg.combine_dtype.itemsize, \
+        int(inp.num_tokens[0])
+
+
+def measure_copy_bandwidth(mod) -> float:
+    """Bytes/s of one rank's device copy while every rank copies (read + write counted)."""
+    x = jnp.ones((64 << 20,), jnp.bfloat16)  # 128 MiB
+    copy = jax.jit(lambda a: a * 2)
+    jax.block_until_ready(copy(x))
+    mod.barrier_all()
+    reps = 20
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        y = copy(x)
+    jax.block_until_ready(y)
+    dt = (time.perf_counter() - t0) / reps
+    rates = kv_gather("copy_bw", 2 * x.nbytes / dt)
+    return float(np.median(rates))
+
+
+def stats(samples_us):
+    s = sorted(samples_us)
+    return statistics.median(s), s[min(len(s) - 1, int(0.9 * len(s)))]
+
+
+def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int):
+    cfg = case.moe()
+    a2a = AllToAll(cfg, backend="nvshmem")
+    backend = a2a.backend
+    inp = T.make_inputs(cfg, seed=case.tokens * 31 + len(case.config), ragged=False)
+    T.run_and_check(a2a, mesh, inp)  # correctness first
+    args = T.global_inputs(cfg, mesh, inp)
+    spec = P("ep")
+
+    def body(x, x_scale, idx, w, nt, mm=None):
+        nt = nt.reshape(())
+        ticket = backend.barrier(nt)
+        x, x_scale, nt = order_after((x, x_scale, nt), ticket)
+        pending = a2a.dispatch_send(x, idx, nt, x_scale=x_scale)
+        if mm is not None:  # overlap: a matmul between the halves
+            h = mm @ mm
+            pending = order_after(pending, h)
+        out = a2a.dispatch_recv(pending)
+        ey = out.expert_x.astype(cfg.combine_dtype)
+        y = a2a.combine(ey, out.routing, idx, w, nt)
+        return y if mm is None else (y, h)
+
+    def compile_step(with_mm):
+        x, xs, idx, w, nt = args
+        if xs is None:  # bf16: a 0-column stand-in keeps one signature
+            xs = jnp.zeros((WORLD * cfg.max_num_tokens, 0), jnp.float32)
+        operands = [x, xs, idx, w, nt]
+        if with_mm:
+            operands.append(jnp.ones((WORLD * matmul, matmul), jnp.bfloat16))
+
+        def per_rank(x, xs, idx, w, nt, *mm):
+            return body(x, xs if cfg.is_fp8 else None, idx, w, nt, *mm)
+
+        out_specs = (spec, spec) if with_mm else spec
+        fn = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(spec,) * len(operands),
+                                   out_specs=out_specs))
+        return lambda: fn(*operands)
+
+    results = {}
+    for label, with_mm in (("plain", False), ("overlap", matmul > 0)):
+        if label == "overlap" and not with_mm:
+            continue
+        step = compile_step(with_mm)
+        backend.set_timing(True)
+        per_sample = []
+        for i in range(warmup + samples):
+            jax.block_until_ready(step())
+            ts = backend.read_timings()
+            if i >= warmup:
+                per_sample.append([(ts[2 * p + 1] - ts[2 * p]) / 1e3 for p in range(4)] +
+                                  [(ts[3] - ts[0]) / 1e3, (ts[7] - ts[4]) / 1e3])
+        backend.set_timing(False)
+        results[label] = per_sample
+    a2a.check()
+    a2a.close()
+    return cfg, inp, results
+
+
+def time_dense(cfg: MoEConfig, samples: int, warmup: int, mesh):
+    """Two dense all-to-alls of every rank's padded block: dispatch rows, then combine rows."""
+    row_in = cfg.hidden * cfg.dispatch_dtype.itemsize + 4 * cfg.num_scales
+    row_out = cfg.hidden * cfg.combine_dtype.itemsize
+    out = []
+    for row in (row_in, row_out):
+        dense = DenseAllToAll(WORLD, cfg.max_num_tokens * row)
+        spec = P("ep")
+        fn = jax.jit(jax.shard_map(lambda v: dense(v), mesh=mesh, in_specs=spec,
+                                   out_specs=spec))
+        x = jax.make_array_from_callback(
+            (WORLD * WORLD, dense.chunk_bytes), jax.sharding.NamedSharding(mesh, spec),
+            lambda idx: np.zeros((WORLD, dense.chunk_bytes), np.uint8))
+        times = []
+        for i in range(warmup + samples):
+            native.module().barrier_all()
+            jax.block_until_ready(fn(x))
+            ts = dense.read_timings()
+            if i >= warmup:
+                times.append((ts[1] - ts[0]) / 1e3)
+        dense.close()
+        out.append(times)
+    return out
+
+
+def git_commit() -> str:
+    env = os.environ.get("GIT_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--configs", default="V2Lite,R1")
+    p.add_argument("--tokens", default="1,4,16,32,64,128")
+    p.add_argument("--dtypes", default="fp8", help="comma list of fp8,bf16")
+    p.add_argument("--bf16-at", default="R1:128", help="extra bf16-dispatch cases CONFIG:T")
+    p.add_argument("--samples", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--matmul", type=int, default=2048, help="overlap matmul size (0: off)")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    mod = native.module()
+    mesh = T.make_mesh(WORLD)
+    oversubscribed = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in os.environ
+    bandwidth = measure_copy_bandwidth(mod)
+    say = print if RANK == 0 else (lambda *a, **k: None)
+    say(f"copy bandwidth per rank with {WORLD} ranks copying: {bandwidth / 1e12:.3f} TB/s")
+
+    cases = [Case(c, t, d) for c in args.configs.split(",") for d in args.dtypes.split(",")
+             for t in map(int, args.tokens.split(","))]
+    for extra in filter(None, args.bf16_at.split(",")):
+        c, t = extra.split(":")
+        if c in args.configs.split(",") and Case(c, int(t), "bf16") not in cases:
+            cases.append(Case(c, int(t), "bf16"))
+
+    rows, overlap_rows = [], []
+    for case in cases:
+        cfg, inp, ours = time_ours(case, mesh, args.samples, args.warmup, args.matmul
+                                   if (case.tokens == 128 and case.dtype == "fp8") else 0)
+        dense_d, dense_c = time_dense(cfg, args.samples, args.warmup, mesh)
+        gathered = kv_gather(f"{case}", {"ours": ours, "dense": [dense_d, dense_c]})
+        # A sample's time is the slowest rank's.
+        plain = np.max(np.array([g["ours"]["plain"] for g in gathered]), axis=0)
+        dense = np.max(np.array([np.array(g["dense"]).T for g in gathered]), axis=0)
+        d_sent, d_rows, c_sent, ntok = wire_bytes(cfg, inp)
+        # HBM bytes on this GPU per rank: put (read+write), copy into expert_x (read+write),
+        # combine put (read+write), reduction (read rows, write y).
+        hbm = 2 * d_sent + 2 * d_rows + 3 * c_sent + ntok * cfg.hidden * 2
+        floor_us = hbm / bandwidth * 1e6
+        d_med, _ = stats(plain[:, 4])
+        c_med, _ = stats(plain[:, 5])
+        tot = plain[:, 4] + plain[:, 5]
+        t_med, t_p90 = stats(tot)
+        base = dict(config=case.config, num_experts=cfg.num_experts,
+                    experts_per_token=cfg.experts_per_token, hidden=cfg.hidden,
+                    tokens_per_rank=case.tokens, dispatch_dtype=case.dtype,
+                    bytes_per_rank=d_sent + c_sent, floor_us=floor_us, correct=True)
+        halves = {n: stats(plain[:, i])[0] for i, n in enumerate(
+            ("dispatch_send_us", "dispatch_recv_us", "combine_send_us", "combine_recv_us"))}
+        rows.append(dict(method="jax_moe_comm_nvshmem", dispatch_us=d_med, combine_us=c_med,
+                         total_us=t_med, p90_total_us=t_p90, **halves, **base))
+        dd, dc = stats(dense[:, 0])[0], stats(dense[:, 1])[0]
+        dt_med, dt_p90 = stats(dense[:, 0] + dense[:, 1])
+        rows.append(dict(method="nvshmem_dense_a2a", dispatch_us=dd, combine_us=dc,
+                         total_us=dt_med, p90_total_us=dt_p90,
+                         **{**base, "bytes_per_rank": cfg.max_num_tokens * WORLD * (
+                             cfg.hidden * cfg.dispatch_dtype.itemsize + 4 * cfg.num_scales +
+                             cfg.hidden * 2)}))
+        say(f"{case.config:7s} T={case.tokens:4d} {case.dtype}: ours {d_med:8.1f} + {c_med:8.1f}"
+            f" = {t_med:8.1f} us (p90 {t_p90:.1f}); dense {dt_med:9.1f} us; floor "
+            f"{floor_us:7.1f} us; ours/floor {t_med / floor_us:5.1f}x; dense/ours "
+            f"{dt_med / t_med:5.1f}x")
+        if "overlap" in ours:
+            over = np.max(np.array([g["ours"]["overlap"] for g in gathered]), axis=0)
+            overlap_rows.append(dict(config=case.config, tokens_per_rank=case.tokens,
+                                     matmul=args.matmul, dispatch_alone_us=d_med,
+                                     dispatch_with_matmul_between_us=stats(over[:, 4])[0]))
+    if not oversubscribed:
+        say("note: XLA all_to_all / ragged_all_to_all rows need one process per GPU: "
+            "run with real GPUs (issue 5)")
+    if RANK == 0:
+        write_outputs(args, rows, overlap_rows, bandwidth, oversubscribed)
+    return 0
+
+
+def write_outputs(args, rows, overlap_rows, bandwidth, oversubscribed):
+    os.makedirs(args.out, exist_ok=True)
+    gpu = jax.devices()[0].device_kind
+    run = dict(gpu=gpu, gpu_count=len({d.id for d in jax.local_devices()}) if not
+               oversubscribed else 1, world=WORLD, oversubscribed_mps=oversubscribed,
+               commit=git_commit(), date=datetime.datetime.now(datetime.UTC).isoformat(),
+               command=" ".join(["python"] + sys.argv), copy_bandwidth_per_rank_Bps=bandwidth,
+               rows=rows, overlap=overlap_rows,
+               not_run={"xla_all_to_all": "NCCL refuses several ranks on one GPU",
+                        "ragged_all_to_all": "NCCL refuses several ranks on one GPU"}
+               if oversubscribed else {})
+    stem = os.path.join(args.out, f"bench_ep{WORLD}")
+    with open(stem + ".json", "w") as f:
+        json.dump(run, f, indent=1)
+    lines = [f"# dispatch/combine, {WORLD} ranks on {gpu}" +
+             (" (one GPU, MPS)" if oversubscribed else ""),
+             "", f"commit {run['commit']}, {run['date']}, `{run['command']}`", "",
+             "| config | tokens | dtype | method | dispatch µs | combine µs | total µs | p90 µs |"
+             " floor µs | total/floor |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['tokens_per_rank']} | {r['dispatch_dtype']} | "
+                     f"{r['method']} | {r['dispatch_us']:.1f} | {r['combine_us']:.1f} | "
+                     f"{r['total_us']:.1f} | {r['p90_total_us']:.1f} | {r['floor_us']:.1f} | "
+                     f"{r['total_us'] / r['floor_us']:.1f} |")
+    if overlap_rows:
+        lines += ["", "| config | tokens | matmul n | dispatch alone µs | send→matmul→recv µs |",
+                  "|---|---|---|---|---|"]
+        for o in overlap_rows:
+            lines.append(f"| {o['config']} | {o['tokens_per_rank']} | {o['matmul']} | "
+                         f"{o['dispatch_alone_us']:.1f} | "
+                         f"{o['dispatch_with_matmul_between_us']:.1f} |")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, cfgname in zip(axes, CONFIGS):
+            for method in ("jax_moe_comm_nvshmem", "nvshmem_dense_a2a"):
+                pts = sorted((r["tokens_per_rank"], r["total_us"]) for r in rows
+                             if r["config"] == cfgname and r["method"] == method
+                             and r["dispatch_dtype"] == "fp8")
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=method)
+            pts = sorted((r["tokens_per_rank"], r["floor_us"]) for r in rows
+                         if r["config"] == cfgname and r["method"] == "jax_moe_comm_nvshmem"
+                         and r["dispatch_dtype"] == "fp8")
+            if pts:
+                ax.plot(*zip(*pts), ls="--", label="floor (HBM copy bw)")
+            ax.set(title=f"{cfgname}, EP{WORLD}, fp8 dispatch + bf16 combine",
+                   xlabel="tokens per rank", ylabel="dispatch + combine (µs)", xscale="log",
+                   yscale="log")
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(stem + ".png", dpi=110)
+    except ImportError:
+        print("matplotlib missing: no plot")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
