@@ -209,6 +209,9 @@ def main() -> int:
     p.add_argument("--matmul", type=int, default=2048, help="overlap matmul size (0: off)")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
+    from jax_moe_comm import init
+
+    init()  # NVSHMEM up before the first host barrier
     mod = native.module()
     mesh = T.make_mesh(WORLD)
     oversubscribed = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in os.environ
