@@ -162,13 +162,14 @@ def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int):
     return cfg, inp, results
 
 
-def time_dense(cfg: MoEConfig, samples: int, warmup: int, mesh):
-    """Two dense all-to-alls of every rank's padded block: dispatch rows, then combine rows."""
+def time_dense(cfg: MoEConfig, samples: int, warmup: int, mesh, rows_per_pair: int):
+    """Two dense all-to-alls of `rows_per_pair` padded rows from every rank to every rank:
+    dispatch rows, then combine rows."""
     row_in = cfg.hidden * cfg.dispatch_dtype.itemsize + 4 * cfg.num_scales
     row_out = cfg.hidden * cfg.combine_dtype.itemsize
     out = []
     for row in (row_in, row_out):
-        dense = DenseAllToAll(WORLD, cfg.max_num_tokens * row)
+        dense = DenseAllToAll(WORLD, rows_per_pair * row)
         spec = P("ep")
         fn = jax.jit(jax.shard_map(lambda v: dense(v), mesh=mesh, in_specs=spec,
                                    out_specs=spec))
@@ -230,11 +231,16 @@ def main() -> int:
     for case in cases:
         cfg, inp, ours = time_ours(case, mesh, args.samples, args.warmup, args.matmul
                                    if (case.tokens == 128 and case.dtype == "fp8") else 0)
-        dense_d, dense_c = time_dense(cfg, args.samples, args.warmup, mesh)
-        gathered = kv_gather(f"{case}", {"ours": ours, "dense": [dense_d, dense_c]})
+        # Token-padded: each token once per rank ([max_m] rows a pair). Expert-padded: the
+        # [L, max_m] block per pair that lands directly in the per-expert layout.
+        dense_tok = time_dense(cfg, args.samples, args.warmup, mesh, cfg.max_num_tokens)
+        dense_exp = time_dense(cfg, max(20, args.samples // 4), 3, mesh,
+                               cfg.max_num_tokens * cfg.num_local_experts)
+        gathered = kv_gather(f"{case}", {"ours": ours, "dense": dense_tok, "dense_exp": dense_exp})
         # A sample's time is the slowest rank's.
         plain = np.max(np.array([g["ours"]["plain"] for g in gathered]), axis=0)
         dense = np.max(np.array([np.array(g["dense"]).T for g in gathered]), axis=0)
+        dense_e = np.max(np.array([np.array(g["dense_exp"]).T for g in gathered]), axis=0)
         d_sent, d_rows, c_sent, ntok = wire_bytes(cfg, inp)
         # HBM bytes on this GPU per rank: put (read+write), copy into expert_x (read+write),
         # combine put (read+write), reduction (read rows, write y).
@@ -252,17 +258,24 @@ def main() -> int:
             ("dispatch_send_us", "dispatch_recv_us", "combine_send_us", "combine_recv_us"))}
         rows.append(dict(method="jax_moe_comm_nvshmem", dispatch_us=d_med, combine_us=c_med,
                          total_us=t_med, p90_total_us=t_p90, **halves, **base))
-        dd, dc = stats(dense[:, 0])[0], stats(dense[:, 1])[0]
-        dt_med, dt_p90 = stats(dense[:, 0] + dense[:, 1])
-        rows.append(dict(method="nvshmem_dense_a2a", dispatch_us=dd, combine_us=dc,
-                         total_us=dt_med, p90_total_us=dt_p90,
-                         **{**base, "bytes_per_rank": cfg.max_num_tokens * WORLD * (
-                             cfg.hidden * cfg.dispatch_dtype.itemsize + 4 * cfg.num_scales +
-                             cfg.hidden * 2)}))
+        pair_bytes = (cfg.hidden * cfg.dispatch_dtype.itemsize + 4 * cfg.num_scales +
+                      cfg.hidden * 2) * WORLD
+        for method, d, rows_pp in (("nvshmem_dense_a2a", dense, cfg.max_num_tokens),
+                                   ("nvshmem_dense_a2a_expert_padded", dense_e,
+                                    cfg.max_num_tokens * cfg.num_local_experts)):
+            m_med, m_p90 = stats(d[:, 0] + d[:, 1])
+            rows.append(dict(method=method, dispatch_us=stats(d[:, 0])[0],
+                             combine_us=stats(d[:, 1])[0], total_us=m_med, p90_total_us=m_p90,
+                             **{**base, "bytes_per_rank": rows_pp * pair_bytes}))
+            if method == "nvshmem_dense_a2a":
+                dt_med = m_med
+            else:
+                de_med = m_med
         say(f"{case.config:7s} T={case.tokens:4d} {case.dtype}: ours {d_med:8.1f} + {c_med:8.1f}"
             f" = {t_med:8.1f} us (p90 {t_p90:.1f}); dense {dt_med:9.1f} us; floor "
             f"{floor_us:7.1f} us; ours/floor {t_med / floor_us:5.1f}x; dense/ours "
-            f"{dt_med / t_med:5.1f}x")
+            f"{dt_med / t_med:5.1f}x; expert-padded dense {de_med:9.1f} us "
+            f"({de_med / t_med:5.1f}x ours)")
         if "overlap" in ours:
             over = np.max(np.array([g["ours"]["overlap"] for g in gathered]), axis=0)
             overlap_rows.append(dict(config=case.config, tokens_per_rank=case.tokens,
@@ -317,7 +330,8 @@ def write_outputs(args, rows, overlap_rows, bandwidth, oversubscribed):
 
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         for ax, cfgname in zip(axes, CONFIGS):
-            for method in ("jax_moe_comm_nvshmem", "nvshmem_dense_a2a"):
+            for method in ("jax_moe_comm_nvshmem", "nvshmem_dense_a2a",
+                           "nvshmem_dense_a2a_expert_padded"):
                 pts = sorted((r["tokens_per_rank"], r["total_us"]) for r in rows
                              if r["config"] == cfgname and r["method"] == method
                              and r["dispatch_dtype"] == "fp8")

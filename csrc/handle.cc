@@ -4,6 +4,8 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -21,12 +23,20 @@ std::string cuda_failure(cudaError_t err, const char* what) {
          cudaGetErrorString(err) + ")";
 }
 
+// One block per SM this process may use: the device's count, scaled by the MPS share when
+// several processes split the GPU (the attribute still reports every SM under MPS). More blocks
+// than that only queue behind spinning ones.
 int default_num_blocks() {
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 16;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      sms <= 0)
     return 16;
-  return sms > 0 ? sms : 16;
+  if (const char* pct = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")) {
+    const int share = std::atoi(pct);
+    if (share > 0 && share < 100) sms = std::max(1, (sms * share + 99) / 100);
+  }
+  return sms;
 }
 
 }  // namespace
