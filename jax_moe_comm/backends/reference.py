@@ -36,13 +36,6 @@ class PendingCombine(NamedTuple):
     routing: Routing
 
 
-def _report_bad_routing(bad_index, bad_count):
-    if bad_index:
-        raise InvalidRoutingError("an expert index is outside [-1, num_experts)")
-    if bad_count:
-        raise InvalidRoutingError("num_tokens is outside [0, max_num_tokens]")
-
-
 class ReferenceBackend:
     name = "reference"
 
@@ -50,6 +43,20 @@ class ReferenceBackend:
         self.cfg = cfg
         self.axis_name = axis_name
         self.check_routing = check_routing
+        # Bad routing seen at run time, recorded by a host callback (raising inside one would
+        # abort XLA:CPU); check() raises the first, like the CUDA path's error record.
+        self._errors: list[str] = []
+
+    def _record(self, bad_index, bad_count):
+        if bad_index:
+            self._errors.append("an expert index is outside [-1, num_experts)")
+        if bad_count:
+            self._errors.append("num_tokens is outside [0, max_num_tokens]")
+
+    def check(self):
+        jax.effects_barrier()
+        if self._errors:
+            raise InvalidRoutingError(self._errors[0] + " (slots skipped)")
 
     # -- helpers ---------------------------------------------------------------------------
     def _a2a(self, x):
@@ -69,7 +76,7 @@ class ReferenceBackend:
             return
         bad_index = jnp.any((indices < -1) | (indices >= self.cfg.num_experts))
         bad_count = (num_tokens < 0) | (num_tokens > self.cfg.max_num_tokens)
-        jax.debug.callback(_report_bad_routing, bad_index, bad_count)
+        jax.debug.callback(self._record, bad_index, bad_count)
 
     # -- dispatch --------------------------------------------------------------------------
     def dispatch_send(self, x, x_scale, indices, num_tokens) -> PendingDispatch:

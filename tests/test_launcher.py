@@ -1,0 +1,60 @@
+"""The launcher: multi-process CPU runs, rank-prefixed output, failure and timeout handling."""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def launch(*args, timeout=300):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    # Run from a neutral folder so the installed package is the one imported.
+    return subprocess.run([sys.executable, "-m", "jax_moe_comm.launch", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=tempfile.gettempdir())
+
+
+def test_two_processes_reference_backend_match_oracle():
+    r = launch("-n", "2", "--platform", "cpu", "--timeout", "240", "--",
+               sys.executable, os.path.join(HERE, "cpu_mp_worker.py"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] process {rank}/2: EP8 dp1 bfloat16 ok" in r.stdout, r.stdout
+        assert f"[rank {rank}] process {rank}/2: EP8 dp2 float8_e4m3fn ok" in r.stdout, r.stdout
+
+
+def test_failing_rank_stops_the_others():
+    code = ("import os, sys, time; r = int(os.environ['JAX_MOE_COMM_PROCESS_ID']); "
+            "print('up', r, flush=True); sys.exit(3) if r == 1 else time.sleep(120)")
+    r = launch("-n", "3", "--platform", "cpu", "--", sys.executable, "-c", code, timeout=60)
+    assert r.returncode == 3
+    assert "[rank 1] up 1" in r.stdout
+    assert "rank 1 exited with 3; stopping the others" in r.stdout
+
+
+def test_timeout_kills_every_rank():
+    r = launch("-n", "2", "--platform", "cpu", "--timeout", "2", "--", sys.executable, "-c",
+               "import time; time.sleep(120)", timeout=60)
+    assert r.returncode == 124
+    assert "timeout after 2 s" in r.stdout
+
+
+def test_environment_for_children():
+    code = ("import os; print(os.environ['JAX_MOE_COMM_PROCESS_ID'], "
+            "os.environ['JAX_MOE_COMM_NUM_PROCESSES'], os.environ['JAX_PLATFORMS'], "
+            "os.environ['NVSHMEM_DISABLE_NVLS'], flush=True)")
+    r = launch("-n", "2", "--platform", "cpu", "--", sys.executable, "-c", code, timeout=60)
+    assert r.returncode == 0, r.stdout
+    assert "[rank 0] 0 2 cpu 1" in r.stdout and "[rank 1] 1 2 cpu 1" in r.stdout
+
+
+@pytest.mark.parametrize("args, msg", [(["-n", "2"], "usage"),
+                                       (["-n", "0", "--", "true"], "at least one process")])
+def test_bad_arguments(args, msg):
+    r = launch(*args, timeout=60)
+    assert r.returncode != 0
+    assert msg in r.stdout + r.stderr

@@ -1,0 +1,128 @@
+"""The reference backend against the numpy oracle on 8 emulated CPU devices."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_moe_comm import AllToAll, InvalidRoutingError, MoEConfig
+from jax_moe_comm import testing as T
+
+bf16, fp8, f32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    E: int
+    k: int
+    H: int
+    m: int
+    ep: int
+    dp: int = 1
+    dtype: object = bf16
+    out: object = bf16
+
+    def cfg(self):
+        return MoEConfig(num_experts=self.E, experts_per_token=self.k, hidden=self.H,
+                         max_num_tokens=self.m, world_size=self.ep, dp_size=self.dp,
+                         dispatch_dtype=self.dtype, combine_dtype=self.out)
+
+
+CASES = [Case(f"EP{ep}-{n}", *shape, ep=ep, dtype=dt, out=out)
+         for ep in (1, 2, 4, 8)
+         for n, shape, dt, out in (("tiny-bf16", (8, 2, 128, 4), bf16, bf16),
+                                   ("small-fp8", (16, 4, 256, 16), fp8, bf16),
+                                   ("odd-E-f32", (24, 5, 64, 6), bf16, f32))]
+CASES += [Case("EP8-dp2-bf16", 16, 3, 128, 8, 8, dp=2), Case("EP4-dp2-fp8", 8, 2, 256, 8, 4,
+                                                                dp=2, dtype=fp8),
+          Case("EP2-dp2-k=E", 4, 4, 128, 4, 2, dp=2)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("routing", ["random", "skewed", "duplicates", "empty_ranks"])
+def test_dispatch_combine_match_oracle(case, routing):
+    cfg = case.cfg()
+    a2a = AllToAll(cfg)
+    mesh = T.make_mesh(case.ep)
+    seed = np.random.SeedSequence().entropy % 2**31  # fresh data every run
+    inp = T.make_inputs(cfg, seed, routing)
+    T.run_and_check(a2a, mesh, inp, split=(routing == "skewed"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [1, 2, 4, 8])
+def test_r1_shape(ep):
+    cfg = MoEConfig(num_experts=256, experts_per_token=8, hidden=7168, max_num_tokens=128,
+                    world_size=ep, dispatch_dtype=fp8)
+    T.run_and_check(AllToAll(cfg), T.make_mesh(ep), T.make_inputs(cfg, ep, "random"))
+
+
+def test_zero_tokens_everywhere():
+    cfg = Case("z", 16, 4, 128, 8, 8).cfg()
+    inp = T.make_inputs(cfg, 3)
+    inp = dataclasses.replace(inp, num_tokens=np.zeros_like(inp.num_tokens))
+    T.run_and_check(AllToAll(cfg), T.make_mesh(8), inp)
+
+
+def test_every_token_to_one_expert_fills_max_recv():
+    cfg = Case("one", 16, 1, 128, 8, 8).cfg()
+    inp = T.make_inputs(cfg, 4, ragged=False)
+    inp = dataclasses.replace(inp, indices=np.full_like(inp.indices, 5))
+    a2a = AllToAll(cfg)
+    mesh = T.make_mesh(8)
+    T.run_and_check(a2a, mesh, inp)
+    _, _, counts, _ = T.make_step(a2a, mesh)(*T.global_inputs(cfg, mesh, inp))
+    assert int(np.asarray(counts)[5]) == cfg.max_recv_tokens  # expert 5 is rank 2's expert 1
+
+
+def test_one_handle_many_steps_and_two_handles():
+    a_cfg, b_cfg = Case("a", 16, 4, 128, 8, 8).cfg(), Case("b", 32, 3, 256, 4, 8, dtype=fp8).cfg()
+    a, b = AllToAll(a_cfg), AllToAll(b_cfg)
+    mesh = T.make_mesh(8)
+    sa, sb = T.make_step(a, mesh), T.make_step(b, mesh, split=True)
+    for i in range(6):
+        T.run_and_check(a, mesh, T.make_inputs(a_cfg, 100 + i), step=sa)
+        T.run_and_check(b, mesh, T.make_inputs(b_cfg, 200 + i), step=sb)
+    a.close()
+    b.close()
+
+
+def test_repeated_expert_in_a_row_is_sent_once_with_summed_weight():
+    cfg = Case("dup", 8, 3, 128, 4, 2).cfg()
+    inp = T.make_inputs(cfg, 11, "duplicates", ragged=False)
+    inp.indices[:, :, 2] = inp.indices[:, :, 0]  # three slots, one expert
+    want = T.expected_rows(cfg, inp, 0)
+    assert all(n == 1 for c in want.values() for n in c.values())
+    T.run_and_check(AllToAll(cfg), T.make_mesh(2), inp)
+
+
+def test_expert_index_out_of_range_is_reported():
+    cfg = Case("bad", 8, 2, 128, 4, 2).cfg()
+    inp = T.make_inputs(cfg, 5, "bad_index")
+    a2a = AllToAll(cfg)
+    mesh = T.make_mesh(2)
+    # The bad slot is skipped (the oracle skips it too) and every other slot is right...
+    T.run_and_check(a2a, mesh, inp)
+    # ...and the error is reported, not silent.
+    with pytest.raises(InvalidRoutingError, match="expert index is outside"):
+        a2a.check()
+
+
+def test_oracle_catches_a_wrong_backend(monkeypatch):
+    """The checks fail when the backend misroutes: swap two experts' rows after dispatch."""
+    from jax_moe_comm.backends import reference
+
+    cfg = Case("mut", 16, 4, 128, 8, 4).cfg()
+    inp = T.make_inputs(cfg, 6, ragged=False)
+    real = reference.ReferenceBackend.dispatch_recv
+
+    def broken(self, pending):
+        ex, exs, counts, routing = real(self, pending)
+        return ex[::-1], exs, counts, routing
+
+    monkeypatch.setattr(reference.ReferenceBackend, "dispatch_recv", broken)
+    with pytest.raises(AssertionError):
+        T.run_and_check(AllToAll(cfg), T.make_mesh(4), inp)
