@@ -8,7 +8,8 @@ from .errors import (InvalidRoutingError, MoECommError, NativeUnavailableError,
 from .bootstrap import finalize, init
 
 __all__ = [
-    "AllToAll", "DispatchOutput", "order_after", "PendingCombine", "PendingDispatch", "resolve_backend",
+    "AllToAll", "DispatchOutput", "order_after", "PendingCombine", "PendingDispatch",
+    "resolve_backend",
     "KernelTuning", "MoEConfig", "InvalidRoutingError", "MoECommError",
     "NativeUnavailableError", "PeerTimeoutError", "ProtocolError", "init", "finalize",
 ]

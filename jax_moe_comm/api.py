@@ -189,9 +189,8 @@ class AllToAll:
         cfg = self.config
         rt.check_routing(cfg, indices, weights)
         num_tokens = rt.check_num_tokens(cfg, num_tokens)
-        merged = rt.merged_weights(indices, weights)
-        return backend.combine_recv(pending.state, rt.first_occurrence(indices), merged,
-                                    num_tokens)
+        first, merged = rt.merge_repeats(indices, weights)
+        return backend.combine_recv(pending.state, first, merged, num_tokens)
 
     def combine(self, expert_y, routing, indices, weights, num_tokens) -> jax.Array:
         return self.combine_recv(self.combine_send(expert_y, routing), indices, weights,

@@ -112,13 +112,10 @@ class MoEConfig:
         """f32 block scales per token row (0 for bf16 dispatch)."""
         return math.ceil(self.hidden / SCALE_BLOCK) if self.is_fp8 else 0
 
-    def with_(self, **changes) -> "MoEConfig":
-        return dataclasses.replace(self, **changes)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelTuning:
-    """Launch shape of the CUDA kernels. Presets: DEFAULT; `SHARED_GPU` for several PEs on one GPU."""
+    """Launch shape of the CUDA kernels. DEFAULT: one full wave of this process's SM share."""
 
     num_blocks: int = 0  # 0: derive from the SM count the process sees
     warps_per_block: int = 16

@@ -73,7 +73,7 @@ def first_occurrence(indices):
     """indices with a repeated expert in one row replaced by -1 after its first slot.
 
     A token routed twice to one expert is sent once; combine gives that row the sum of
-    the repeated slots' weights (see merged_weights), which is exactly the dense result.
+    the repeated slots' weights (see merge_repeats), which is exactly the dense result.
     """
     k = indices.shape[-1]
     same = indices[..., :, None] == indices[..., None, :]  # [m, j, j']
@@ -82,12 +82,13 @@ def first_occurrence(indices):
     return jnp.where(repeated, -1, indices)
 
 
-def merged_weights(indices, weights):
-    """Per slot: the summed weight of every slot naming the same expert, on its first slot."""
+def merge_repeats(indices, weights):
+    """(first_occurrence(indices), weights summed over the slots naming the same expert and
+    kept on the first of them, 0 elsewhere)."""
     same = (indices[..., :, None] == indices[..., None, :]).astype(weights.dtype)
     summed = jnp.einsum("mjl,ml->mj", same, weights)
     first = first_occurrence(indices)
-    return jnp.where(first >= 0, summed, 0.0)
+    return first, jnp.where(first >= 0, summed, 0.0)
 
 
 def valid_slots(cfg: MoEConfig, indices, num_tokens):

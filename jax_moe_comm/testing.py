@@ -77,7 +77,7 @@ def make_inputs(cfg: MoEConfig, seed: int, routing: str = "random",
     return Inputs(rep(x), rep(x_scale), rep(indices), rep(weights), rep(num_tokens))
 
 
-def dequantize(cfg: MoEConfig, x: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
+def dequantize(x: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
     xf = np.asarray(x).astype(np.float64)
     if scale is not None:
         xf = xf * np.repeat(np.asarray(scale, np.float64), SCALE_BLOCK, axis=-1)
@@ -140,7 +140,7 @@ def expert_outputs(cfg: MoEConfig, rank, expert_x, expert_x_scale):
 def expected_y(cfg: MoEConfig, inp: Inputs, rank: int) -> np.ndarray:
     c = expert_factor(cfg)
     xs = None if inp.x_scale is None else inp.x_scale[rank]
-    xf = dequantize(cfg, inp.x[rank], xs)
+    xf = dequantize(inp.x[rank], xs)
     y = np.zeros((cfg.max_num_tokens, cfg.hidden))
     for t in range(inp.num_tokens[rank]):
         for j, e in enumerate(inp.indices[rank, t]):

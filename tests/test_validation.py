@@ -40,7 +40,7 @@ def test_config_derived_sizes():
         (2, 4, 32, 2)
 
 
-def _run(cfg, mesh, x, idx, nt, x_scale=None, w=None):
+def _run(cfg, mesh, x, idx, nt, x_scale=None):
     a2a = AllToAll(cfg)
 
     def body(x, idx, nt):
@@ -67,7 +67,8 @@ def _sds(shape, dtype):
 
 
 @pytest.mark.parametrize("arg, value, exc, match", [
-    ("x", _sds((64, 128), jnp.bfloat16), ValueError, r"x has shape \(8, 128\); expected \(8, 256\)"),
+    ("x", _sds((64, 128), jnp.bfloat16), ValueError,
+     r"x has shape \(8, 128\); expected \(8, 256\)"),
     ("x", _sds((64, 256), jnp.float32), TypeError, "x has dtype float32; expected bfloat16"),
     ("idx", _sds((64, 3), jnp.int32), ValueError, r"indices has shape \(8, 3\); expected \(8, 4\)"),
     ("idx", _sds((64, 4), jnp.float32), TypeError, "indices must be an int32 array"),
@@ -81,14 +82,18 @@ def test_op_input_errors(setup, arg, value, exc, match):
         _run(cfg, mesh, args["x"], args["idx"], args["nt"])
 
 
+def _lower_static_dispatch(a2a, ranks, num_tokens):
+    """Lower dispatch with a Python-int num_tokens over a mesh of `ranks` devices."""
+    fn = jax.shard_map(lambda x, i: a2a.dispatch(x, i, num_tokens).expert_num_tokens,
+                       mesh=T.make_mesh(ranks), in_specs=(P("ep"), P("ep")), out_specs=P("ep"))
+    rows = ranks * a2a.config.max_num_tokens
+    return jax.jit(fn).lower(_sds((rows, 256), jnp.bfloat16), _sds((rows, 4), jnp.int32))
+
+
 def test_static_num_tokens_out_of_range():
-    cfg = MoEConfig(**BASE)
-    a2a = AllToAll(cfg)
-    mesh = T.make_mesh(8)
-    fn = jax.shard_map(lambda x, i: a2a.dispatch(x, i, 9).expert_num_tokens, mesh=mesh,
-                       in_specs=(P("ep"), P("ep")), out_specs=P("ep"))
+    a2a = AllToAll(MoEConfig(**BASE))
     with pytest.raises(ValueError, match=r"num_tokens=9 is outside \[0, max_num_tokens=8\]"):
-        jax.jit(fn).lower(_sds((64, 256), jnp.bfloat16), _sds((64, 4), jnp.int32))
+        _lower_static_dispatch(a2a, 8, 9)
 
 
 def test_fp8_needs_scales_and_bf16_refuses_them():
@@ -123,14 +128,10 @@ def test_combine_checks_expert_y_and_weights():
 
 
 def test_mesh_axis_mismatch_and_unbound_axis():
-    cfg = MoEConfig(**BASE)
-    a2a = AllToAll(cfg)
-    mesh4 = T.make_mesh(4)
-    fn = jax.shard_map(lambda x, i: a2a.dispatch(x, i, 1).expert_num_tokens, mesh=mesh4,
-                       in_specs=(P("ep"), P("ep")), out_specs=P("ep"))
+    a2a = AllToAll(MoEConfig(**BASE))
     with pytest.raises(ValueError, match="mesh axis 'ep' has 4 devices but the handle was made "
                                          "for world_size=8"):
-        jax.jit(fn).lower(_sds((32, 256), jnp.bfloat16), _sds((32, 4), jnp.int32))
+        _lower_static_dispatch(a2a, 4, 1)
     with pytest.raises(ValueError, match="inside jax.shard_map"):
         a2a.dispatch(jnp.zeros((8, 256), jnp.bfloat16), jnp.zeros((8, 4), jnp.int32), 1)
 
@@ -151,11 +152,8 @@ def test_closed_handle_refuses():
     cfg = MoEConfig(**BASE)
     with AllToAll(cfg) as a2a:
         pass
-    mesh = T.make_mesh(8)
-    fn = jax.shard_map(lambda x, i: a2a.dispatch(x, i, 1).expert_num_tokens, mesh=mesh,
-                       in_specs=(P("ep"), P("ep")), out_specs=P("ep"))
     with pytest.raises(Exception, match="closed"):
-        jax.jit(fn).lower(_sds((64, 256), jnp.bfloat16), _sds((64, 4), jnp.int32))
+        _lower_static_dispatch(a2a, 8, 1)
 
 
 def test_split_api_takes_its_own_pending():

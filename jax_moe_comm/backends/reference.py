@@ -89,7 +89,8 @@ class ReferenceBackend:
         recv_x = self._a2a(jnp.broadcast_to(x[None], everyone))
         recv_scale = None
         if x_scale is not None:
-            recv_scale = self._a2a(jnp.broadcast_to(x_scale[None], (cfg.world_size,) + x_scale.shape))
+            scale_everyone = (cfg.world_size,) + x_scale.shape
+            recv_scale = self._a2a(jnp.broadcast_to(x_scale[None], scale_everyone))
         return PendingDispatch(recv_x, recv_scale, self._a2a(local_ids.astype(jnp.int32)))
 
     def dispatch_recv(self, pending: PendingDispatch):
