@@ -57,16 +57,22 @@ def check_routing(cfg: MoEConfig, indices, weights=None) -> None:
         check_array("weights", weights, shape, jnp.float32)
 
 
-def check_tokens(cfg: MoEConfig, x, x_scale) -> None:
+def check_tokens(cfg: MoEConfig, x, x_scale) -> bool:
+    """Checks x (and x_scale); True when an fp8 handle was given bf16 x to quantize itself."""
+    if cfg.is_fp8 and x_scale is None and getattr(x, "dtype", None) == jnp.bfloat16:
+        check_array("x", x, (cfg.max_num_tokens, cfg.hidden), jnp.bfloat16)
+        return True
     check_array("x", x, (cfg.max_num_tokens, cfg.hidden), cfg.dispatch_dtype)
     if cfg.is_fp8:
         if x_scale is None:
-            raise ValueError("x_scale is required for float8_e4m3fn dispatch: shape "
-                             f"({cfg.max_num_tokens}, {cfg.num_scales}) float32")
+            raise ValueError("x_scale is required for float8_e4m3fn dispatch of fp8 x: shape "
+                             f"({cfg.max_num_tokens}, {cfg.num_scales}) float32 (or give "
+                             "bf16 x without x_scale to have it quantized here)")
         check_array("x_scale", x_scale, (cfg.max_num_tokens, cfg.num_scales), jnp.float32)
     elif x_scale is not None:
         raise ValueError("x_scale is only taken with float8_e4m3fn dispatch; this handle "
                          f"dispatches {cfg.dispatch_dtype.name}")
+    return False
 
 
 def first_occurrence(indices):
@@ -95,6 +101,28 @@ def valid_slots(cfg: MoEConfig, indices, num_tokens):
     """Mask of (token, slot) pairs that are routed: in-range token, in-range expert."""
     rows = jnp.arange(cfg.max_num_tokens)[:, None] < num_tokens
     return rows & (indices >= 0) & (indices < cfg.num_experts)
+
+
+def destination(cfg: MoEConfig, indices):
+    """Rank holding each slot's expert, -1 for an unused slot."""
+    return jnp.where(indices >= 0, indices // cfg.num_local_experts, -1)
+
+
+def sent_slots(cfg: MoEConfig, indices, num_tokens, rank):
+    """Mask of the valid slots that `rank` itself sends: in a DP group (dp_size > 1) the slot
+    to rank d is sent by the member with d % dp == rank % dp, so each is sent exactly once."""
+    dst = destination(cfg, indices)
+    return valid_slots(cfg, indices, num_tokens) & (dst % cfg.dp_size == rank % cfg.dp_size)
+
+
+def row_key(cfg: MoEConfig, group, token, slot):
+    """Key of the expert row of (source DP group, token, slot): (group*max_m + token)*k + slot.
+
+    Every backend's row_keys() uses this packing (the CUDA kernels' pack_source), so the rows of
+    two dispatches with the same routing can be matched, even between handles of different
+    dp_size (a dp_size=1 handle's group is the sending rank).
+    """
+    return (group * cfg.max_num_tokens + token) * cfg.experts_per_token + slot
 
 
 def axis_size(axis_name) -> int:

@@ -2,10 +2,17 @@
 
 Dispatch sends every rank's whole padded token block to every rank with one
 `jax.lax.all_to_all` (the "standard all-to-all" baseline), together with a [EP, max_m, k]
-table of local expert ids (-1 where the slot is not for that rank). The receiver scatters
-rows into `expert_x`. Combine weights each expert row on the expert's rank, sums a token's
-local experts in f32, and sends one f32 partial row per token back, where the home rank sums
-over expert ranks. Rows of one expert come out ordered by (source group, token, slot).
+table of local expert ids (-1 where the slot is not for that rank) and, when given, the
+router weights. The receiver scatters rows into `expert_x`. Combine gathers each expert row
+on the expert's rank, weights it with the *receiving* rank's weights (every rank's weights
+travel to the expert ranks), sums a token's local experts in f32, and sends one f32 partial
+row per token back, where the home rank sums over expert ranks; with slot_rows=True it sends
+the rows themselves and weights them at home. Rows of one expert come out ordered by
+(source group, token, slot).
+
+Weighting with the receiver's weights is what the CUDA combine does (it weights at home);
+the two differ only when the members of a DP group pass different weights, and autodiff of
+this backend then gives each member the weight gradient of its own output (autodiff.py).
 """
 
 from __future__ import annotations
@@ -17,13 +24,14 @@ import jax.numpy as jnp
 
 from ..config import MoEConfig
 from ..errors import InvalidRoutingError
-from ..routing import valid_slots
+from ..routing import destination, row_key, sent_slots, valid_slots
 
 
 class PendingDispatch(NamedTuple):
     recv_x: jax.Array  # [EP(src), max_m, H]
     recv_scale: jax.Array | None  # [EP(src), max_m, S]
     recv_ids: jax.Array  # [EP(src), max_m, k] local expert id or -1
+    recv_w: jax.Array | None = None  # [EP(src), max_m, k] router weight of the slot
 
 
 class Routing(NamedTuple):
@@ -62,14 +70,23 @@ class ReferenceBackend:
     def _a2a(self, x):
         return jax.lax.all_to_all(x, self.axis_name, 0, 0, tiled=False)
 
+    def _to_ranks(self, indices, slots):
+        """[EP, max_m, k] mask: slot (t, j) is in `slots` and its expert is on rank r."""
+        ranks = jnp.arange(self.cfg.world_size)[:, None, None]
+        return slots[None] & (destination(self.cfg, indices)[None] == ranks)
+
     def _outgoing_slots(self, indices, num_tokens):
         """[EP, max_m, k] mask: this rank sends slot (t, j) to rank r (DP groups split it)."""
+        rank = jax.lax.axis_index(self.axis_name)
+        return self._to_ranks(indices, sent_slots(self.cfg, indices, num_tokens, rank))
+
+    def _from_senders(self, table):
+        """table [EP(src), ...] as received by an expert rank -> [EP(dest), ...]: for each
+        destination rank, the entry of the member of its DP group that sent to this rank."""
         cfg = self.cfg
         rank = jax.lax.axis_index(self.axis_name)
-        dst = jnp.where(indices >= 0, indices // cfg.num_local_experts, -1)
-        ours = valid_slots(cfg, indices, num_tokens) & (dst % cfg.dp_size == rank % cfg.dp_size)
-        ranks = jnp.arange(cfg.world_size)[:, None, None]
-        return ours[None] & (dst[None] == ranks)
+        dest = jnp.arange(cfg.world_size)
+        return table[(dest // cfg.dp_size) * cfg.dp_size + rank % cfg.dp_size]
 
     def _runtime_checks(self, indices, num_tokens):
         if not self.check_routing:
@@ -79,7 +96,7 @@ class ReferenceBackend:
         jax.debug.callback(self._record, bad_index, bad_count)
 
     # -- dispatch --------------------------------------------------------------------------
-    def dispatch_send(self, x, x_scale, indices, num_tokens) -> PendingDispatch:
+    def dispatch_send(self, x, x_scale, indices, num_tokens, weights=None) -> PendingDispatch:
         cfg = self.cfg
         self._runtime_checks(indices, num_tokens)
         num_tokens = jnp.clip(num_tokens, 0, cfg.max_num_tokens)
@@ -91,7 +108,11 @@ class ReferenceBackend:
         if x_scale is not None:
             scale_everyone = (cfg.world_size,) + x_scale.shape
             recv_scale = self._a2a(jnp.broadcast_to(x_scale[None], scale_everyone))
-        return PendingDispatch(recv_x, recv_scale, self._a2a(local_ids.astype(jnp.int32)))
+        recv_w = None
+        if weights is not None:
+            recv_w = self._a2a(jnp.where(to_rank, weights[None], 0.0))
+        return PendingDispatch(recv_x, recv_scale, self._a2a(local_ids.astype(jnp.int32)),
+                               recv_w)
 
     def dispatch_recv(self, pending: PendingDispatch):
         cfg = self.cfg
@@ -113,8 +134,25 @@ class ReferenceBackend:
         expert_x_scale = None
         if pending.recv_scale is not None:
             expert_x_scale = scatter(pending.recv_scale, (cfg.num_scales,), jnp.float32)
+        expert_weights = None
+        if pending.recv_w is not None:  # one weight per slot, not per token row
+            expert_weights = jnp.zeros((L, R), jnp.float32).at[target, pos].set(
+                pending.recv_w.reshape(-1), mode="drop")
         routing = Routing(pending.recv_ids, pos.reshape(pending.recv_ids.shape))
-        return expert_x, expert_x_scale, expert_num_tokens, routing
+        return expert_x, expert_x_scale, expert_num_tokens, routing, expert_weights
+
+    def row_keys(self, routing: Routing):
+        """[L, R] int32: routing.row_key(source group, token, slot) of each row, -1 past the
+        counts."""
+        cfg = self.cfg
+        ids, pos = routing
+        src = jnp.arange(cfg.world_size)[:, None, None]
+        token = jnp.arange(cfg.max_num_tokens)[None, :, None]
+        slot = jnp.arange(cfg.experts_per_token)[None, None, :]
+        keys = jnp.broadcast_to(row_key(cfg, src // cfg.dp_size, token, slot), ids.shape)
+        target = jnp.where(ids >= 0, ids, cfg.num_local_experts)  # out of range: dropped
+        out = jnp.full((cfg.num_local_experts, cfg.max_recv_tokens), -1, jnp.int32)
+        return out.at[target, pos].set(keys.astype(jnp.int32), mode="drop")
 
     # -- combine ---------------------------------------------------------------------------
     def combine_send(self, expert_y, routing: Routing) -> PendingCombine:
@@ -122,12 +160,21 @@ class ReferenceBackend:
         # rank, so the whole exchange happens there; the split is only functional here.
         return PendingCombine(expert_y, routing)
 
-    def combine_recv(self, pending: PendingCombine, indices, weights, num_tokens):
+    def combine_recv(self, pending: PendingCombine, indices, weights, num_tokens,
+                     slot_rows=False):
         cfg = self.cfg
         num_tokens = jnp.clip(num_tokens, 0, cfg.max_num_tokens)
         expert_y, (ids, pos) = pending
-        to_rank = self._outgoing_slots(indices, num_tokens)
-        recv_w = self._a2a(jnp.where(to_rank, weights[None], 0.0))  # [EP(src), m, k]
+        # What this rank holds for each destination's tokens: the rows its DP group's
+        # sender sent here ([EP(dest), max_m, k] local expert and row, -1 if none).
+        ids, pos = self._from_senders(ids), self._from_senders(pos)
+        live = jnp.arange(cfg.max_num_tokens)[:, None] < num_tokens
+        if slot_rows:
+            return self._combine_slot_rows(expert_y, ids, pos, indices, weights, num_tokens,
+                                           live)
+        # Every destination's own weights of its slots on this rank.
+        to_rank = self._to_ranks(indices, valid_slots(cfg, indices, num_tokens))
+        recv_w = self._a2a(jnp.where(to_rank, weights[None], 0.0))  # [EP(dest), m, k]
 
         def add_slot(j, acc):
             e = jax.lax.dynamic_index_in_dim(ids, j, axis=2, keepdims=False)
@@ -139,13 +186,19 @@ class ReferenceBackend:
         shape = (cfg.world_size, cfg.max_num_tokens, cfg.hidden)
         zeros = jnp.zeros_like(recv_w, jnp.float32, shape=shape)  # varying like the data
         partial = jax.lax.fori_loop(0, cfg.experts_per_token, add_slot, zeros)
-        # Rank d gets the partial of the sender of its DP group (every group member gets it).
-        rank = jax.lax.axis_index(self.axis_name)
-        dest = jnp.arange(cfg.world_size)
-        sender = (dest // cfg.dp_size) * cfg.dp_size + rank % cfg.dp_size
-        y = jnp.sum(self._a2a(partial[sender]), axis=0)
-        rows = jnp.arange(cfg.max_num_tokens)[:, None] < num_tokens
-        return jnp.where(rows, y, 0.0).astype(jnp.bfloat16)
+        y = jnp.sum(self._a2a(partial), axis=0)
+        return jnp.where(live, y, 0.0).astype(jnp.bfloat16)
+
+    def _combine_slot_rows(self, expert_y, ids, pos, indices, weights, num_tokens, live):
+        """combine_recv(slot_rows=True): the rows themselves travel home ([max_m, k, H] per
+        destination, each slot filled by the one rank that holds its expert)."""
+        rows = expert_y[jnp.clip(ids, 0), jnp.clip(pos, 0)]  # [EP(dest), m, k, H]
+        rows = jnp.where((ids >= 0)[..., None], rows, jnp.zeros((), rows.dtype))
+        got = jnp.sum(self._a2a(rows), axis=0, dtype=rows.dtype)  # one nonzero term per slot
+        got = jnp.where(valid_slots(self.cfg, indices, num_tokens)[..., None], got,
+                        jnp.zeros((), got.dtype))
+        y = jnp.sum(weights[..., None] * got.astype(jnp.float32), axis=1)
+        return jnp.where(live, y, 0.0).astype(jnp.bfloat16), got
 
     def close(self):
         pass

@@ -1,0 +1,32 @@
+"""fp8 e4m3 block quantization (1x128 tiles, DeepSeek's), as the differentiable fp8 path uses it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .config import SCALE_BLOCK
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize(x):
+    """x [m, H] -> (q [m, H] float8_e4m3fn, scale [m, H/128] f32): per 1x128 block,
+    scale = max|x| / 448 and q = x / scale."""
+    m, H = x.shape
+    blocks = x.astype(jnp.float32).reshape(m, H // SCALE_BLOCK, SCALE_BLOCK)
+    scale = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), 1e-12) / FP8_MAX
+    q = (blocks / scale[..., None]).reshape(m, H).astype(jnp.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize(q, scale):
+    """q [..., H] fp8 and scale [..., H/128] -> f32 [..., H]."""
+    return q.astype(jnp.float32) * jnp.repeat(scale, SCALE_BLOCK, axis=-1)
+
+
+def fake_quantize(x):
+    """dequantize(quantize(x)) in x's dtype, with the straight-through gradient (identity):
+    what the differentiable fp8 dispatch does to the values and to their gradient."""
+    xq = jax.lax.stop_gradient(dequantize(*quantize(x)).astype(x.dtype))
+    return xq + (x - jax.lax.stop_gradient(x))  # exactly xq; d/dx = 1
