@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
+from . import autodiff as ad
+from . import quant
 from . import routing as rt
 from .config import KernelTuning, MoEConfig
 from .errors import NativeUnavailableError, ProtocolError
@@ -16,28 +20,36 @@ BACKENDS = ("auto", "reference", "nvshmem")
 class DispatchOutput(NamedTuple):
     """What dispatch lays out per local expert, per rank.
 
-    expert_x: [L, max_recv, H] dispatch dtype; rows >= expert_num_tokens[e] are undefined.
-    expert_x_scale: [L, max_recv, H/128] f32 for fp8 dispatch, else None.
+    expert_x: [L, max_recv, H] dispatch dtype (bf16 when an fp8 handle was given bf16 x: the
+      dequantised rows); rows >= expert_num_tokens[e] are undefined, except zero on a
+      differentiable handle, on the reference backend and when dequantised.
+    expert_x_scale: [L, max_recv, H/128] f32 for fp8 dispatch of fp8 x, else None.
     expert_num_tokens: [L] int32.
     routing: opaque pytree that combine needs (where each row came from).
+    expert_weights: [L, max_recv] f32, the router weight of the slot that produced each row
+      (repeated experts merged; zero past the counts), when dispatch was given weights; it
+      carries no gradient (weight in combine to train the router).
     """
 
     expert_x: jax.Array
     expert_x_scale: jax.Array | None
     expert_num_tokens: jax.Array
     routing: Any
+    expert_weights: jax.Array | None = None
 
 
 class PendingDispatch(NamedTuple):
     """Returned by dispatch_send; hand it to dispatch_recv."""
 
     state: Any
+    args: ad.DispatchArgs | None = None  # the inputs, for the gradient rule
 
 
 class PendingCombine(NamedTuple):
     """Returned by combine_send; hand it to combine_recv."""
 
     state: Any
+    args: ad.CombineArgs | None = None  # the inputs, for the gradient rule
 
 
 def order_after(value, *deps):
@@ -88,10 +100,17 @@ class AllToAll:
     One handle serves every layer and step, one dispatch/combine pair at a time: each
     dispatch_send must be followed by its dispatch_recv, combine_send and combine_recv before
     the next dispatch_send on the same handle. Call close() (or use `with`) when done.
+
+    differentiable=True: also allocate the buffers of the backward all-to-alls (bf16 dispatch,
+    f32 combine; a second one with dp_size 1 when dp_size > 1), so that jax.grad can
+    differentiate dispatch (w.r.t. x) and combine (w.r.t. expert_y and weights); padding rows
+    of expert_x are then zero. Without it, differentiating raises at trace time. Forward-mode
+    (jax.jvp) and jax.vmap are not supported. Rules and DP/fp8 semantics: autodiff.py.
     """
 
     def __init__(self, config: MoEConfig, *, axis_name: str = "ep", backend: str = "auto",
-                 tuning: KernelTuning | None = None, timeout_s: float = 30.0):
+                 tuning: KernelTuning | None = None, timeout_s: float = 30.0,
+                 differentiable: bool = False):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
         if not isinstance(config, MoEConfig):
@@ -99,10 +118,31 @@ class AllToAll:
         self.config = config
         self.axis_name = axis_name
         self.backend_name = resolve_backend(backend)
+        self._tuning, self._timeout_s = tuning or KernelTuning.DEFAULT, timeout_s
+        self._backends = []  # every handle this object owns, closed together
+        try:
+            fwd = self._make_backend(config)
+            dispatch_grad = combine_grad = None
+            if differentiable:
+                # Handle creation is collective: here, eagerly, never while tracing.
+                bwd = dataclasses.replace(config, dispatch_dtype=jnp.bfloat16,
+                                          combine_dtype=jnp.float32)
+                dispatch_grad = combine_grad = self._make_backend(bwd)
+                if config.dp_size > 1:
+                    combine_grad = self._make_backend(dataclasses.replace(bwd, dp_size=1))
+        except BaseException:
+            for b in self._backends:
+                b.close()
+            raise
+        self._backend = fwd
+        self._plan = ad.Plan(config, axis_name, fwd, dispatch_grad, combine_grad)
+        self._closed = False
+
+    def _make_backend(self, config: MoEConfig):
         if self.backend_name == "reference":
             from .backends.reference import ReferenceBackend
 
-            self._backend = ReferenceBackend(config, axis_name)
+            backend = ReferenceBackend(config, self.axis_name)
         else:
             from .backends import nvshmem
 
@@ -110,15 +150,21 @@ class AllToAll:
                 from . import native
 
                 raise NativeUnavailableError(native.unavailable_reason())
-            self._backend = nvshmem.NvshmemBackend(config, axis_name,
-                                                   tuning or KernelTuning.DEFAULT, timeout_s)
-        self._closed = False
+            backend = nvshmem.NvshmemBackend(config, self.axis_name, self._tuning,
+                                             self._timeout_s)
+        self._backends.append(backend)
+        return backend
+
+    @property
+    def differentiable(self) -> bool:
+        return self._plan.differentiable
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
         """Free the symmetric buffers. Collective: every process closes its handle."""
         if not self._closed:
-            self._backend.close()
+            for b in self._backends:
+                b.close()
             self._closed = True
 
     def __enter__(self):
@@ -134,14 +180,16 @@ class AllToAll:
 
     @property
     def symmetric_bytes(self) -> int:
-        """Bytes of NVSHMEM symmetric memory this handle holds on each rank."""
-        return self._backend.symmetric_bytes
+        """Bytes of NVSHMEM symmetric memory this handle holds on each rank (with the
+        backward buffers of a differentiable handle)."""
+        return sum(b.symmetric_bytes for b in self._backends)
 
     def check(self) -> None:
         """Wait for the device, then raise the first error the kernels recorded, if any."""
-        check = getattr(self._backend, "check", None)
-        if check is not None:
-            check()
+        for b in self._backends:
+            check = getattr(b, "check", None)
+            if check is not None:
+                check()
 
     def _live(self):
         if self._closed:
@@ -150,47 +198,70 @@ class AllToAll:
         return self._backend
 
     # -- dispatch --------------------------------------------------------------------------
-    def dispatch_send(self, x, indices, num_tokens, *, x_scale=None) -> PendingDispatch:
-        """Start sending every token to the ranks of its experts. Returns what recv needs."""
-        backend = self._live()
+    def dispatch_send(self, x, indices, num_tokens, *, x_scale=None,
+                      weights=None) -> PendingDispatch:
+        """Start sending every token to the ranks of its experts. Returns what recv needs.
+
+        On an fp8 handle, x is either fp8 with x_scale (your quantization; not
+        differentiable) or bf16 without x_scale: then it is quantized here (1x128 blocks),
+        travels as fp8, arrives dequantised as bf16 expert_x, and its gradient is taken with
+        respect to the dequantised input (straight-through; the scales are not
+        differentiated). weights [max_m, k] f32, optional: returned per row as
+        DispatchOutput.expert_weights.
+        """
+        self._live()
         cfg = self.config
-        rt.check_tokens(cfg, x, x_scale)
-        rt.check_routing(cfg, indices)
+        quantize = rt.check_tokens(cfg, x, x_scale)
+        rt.check_routing(cfg, indices, weights)
         num_tokens = rt.check_num_tokens(cfg, num_tokens)
-        indices = rt.first_occurrence(indices)
-        return PendingDispatch(backend.dispatch_send(x, x_scale, indices, num_tokens))
+        if weights is None:
+            first, merged = rt.first_occurrence(indices), None
+        else:
+            first, merged = rt.merge_repeats(indices, weights)
+        sent, sent_scale = (quant.quantize(jax.lax.stop_gradient(x)) if quantize
+                            else (x, x_scale))
+        state = ad.dispatch_send(self._plan, sent, sent_scale, first, num_tokens, merged)
+        return PendingDispatch(state, ad.DispatchArgs(x, x_scale, first, num_tokens, merged))
 
     def dispatch_recv(self, pending: PendingDispatch) -> DispatchOutput:
         """Wait for every peer's tokens and lay them out per local expert."""
-        if not isinstance(pending, PendingDispatch):
+        if not isinstance(pending, PendingDispatch) or pending.args is None:
             raise TypeError("dispatch_recv takes the PendingDispatch that dispatch_send returned")
-        return DispatchOutput(*self._live().dispatch_recv(pending.state))
+        self._live()
+        a = pending.args
+        dequantize = self.config.is_fp8 and a.x_scale is None
+        return DispatchOutput(*ad.dispatch_recv(self._plan, dequantize, pending.state, a.x,
+                                                a.x_scale, a.indices, a.num_tokens, a.weights))
 
-    def dispatch(self, x, indices, num_tokens, *, x_scale=None) -> DispatchOutput:
-        return self.dispatch_recv(self.dispatch_send(x, indices, num_tokens, x_scale=x_scale))
+    def dispatch(self, x, indices, num_tokens, *, x_scale=None, weights=None) -> DispatchOutput:
+        return self.dispatch_recv(self.dispatch_send(x, indices, num_tokens, x_scale=x_scale,
+                                                     weights=weights))
 
     # -- combine ---------------------------------------------------------------------------
     def combine_send(self, expert_y, routing) -> PendingCombine:
         """Start sending every expert output row back to its token's home rank(s)."""
-        backend = self._live()
+        self._live()
         cfg = self.config
         shape = (cfg.num_local_experts, cfg.max_recv_tokens, cfg.hidden)
         rt.check_array("expert_y", expert_y, shape, cfg.combine_dtype)
-        return PendingCombine(backend.combine_send(expert_y, routing))
+        state = ad.combine_send(self._plan, expert_y, routing)
+        return PendingCombine(state, ad.CombineArgs(expert_y, routing))
 
     def combine_recv(self, pending: PendingCombine, indices, weights, num_tokens) -> jax.Array:
         """Wait for every row of this rank's tokens; y[t] = sum_j weights[t,j] * row(t,j).
 
         Returns y [max_m, H] bf16, summed in f32; rows >= num_tokens are zero.
         """
-        if not isinstance(pending, PendingCombine):
+        if not isinstance(pending, PendingCombine) or pending.args is None:
             raise TypeError("combine_recv takes the PendingCombine that combine_send returned")
-        backend = self._live()
+        self._live()
         cfg = self.config
         rt.check_routing(cfg, indices, weights)
         num_tokens = rt.check_num_tokens(cfg, num_tokens)
         first, merged = rt.merge_repeats(indices, weights)
-        return backend.combine_recv(pending.state, first, merged, num_tokens)
+        a = pending.args
+        return ad.combine_recv(self._plan, pending.state, a.expert_y, a.routing, first, merged,
+                               num_tokens)
 
     def combine(self, expert_y, routing, indices, weights, num_tokens) -> jax.Array:
         return self.combine_recv(self.combine_send(expert_y, routing), indices, weights,

@@ -1,0 +1,349 @@
+"""Gradients of dispatch and combine: one `jax.custom_vjp` rule set for every backend.
+
+The rules use only backend ops, so the nvshmem backend (whose FFI calls JAX cannot
+differentiate) and the reference backend (plain JAX, which it could) run the same backward
+and save the same residuals. The ground truth is plain-JAX autodiff of the reference backend;
+tests/test_grad.py checks the rules against it.
+
+Per rank, with `first, w = merge_repeats(indices, weights)` (a token's repeated expert is one
+slot carrying the summed weight; merge_repeats itself is plain JAX and differentiated as such):
+
+  dispatch   d x[t]        = sum over the slots (t, j) THIS rank sent of d expert_x[row(t, j)]
+                             (a combine with weights 1, summed in f32)
+  combine    d expert_y[r] = sum over the home ranks h of the row's token of w_h[t, j] * dy_h[t]
+                             (a dispatch of dy, each row scaled by its weight on arrival)
+             d w[t, j]     = <dy[t], expert_y[row(t, j)]> (f32, from the rows combine brought
+                             home: no communication)
+  indices, num_tokens, x_scale and the routing get no gradient; rows >= the counts and
+  tokens >= num_tokens get zero.
+
+DP groups (dp_size > 1): the members hold the same tokens, a slot is sent by one member and
+combine returns the result to every member. So d expert_y sums the dy of EVERY member (the
+fan-out's transpose is a fan-in), d x of a slot lands on the member that sent it, and each
+member's d w is that of its own output. Summed over a group, d x is the full gradient of the
+group's shared input (the usual reduction for replicated activations). Plain-JAX autodiff of
+the reference backend gives exactly this.
+
+Handles. The backward all-to-alls run on handles of their own (created by
+`AllToAll(..., differentiable=True)`, eagerly: creation is collective), with bf16 dispatch
+and f32 combine:
+  * `dispatch_grad`: same dp_size as the forward; its COMBINE half carries d x, with the
+    forward dispatch's routing (the row layout it describes is the forward handle's).
+  * `combine_grad`: dp_size 1, so that every member of a DP group sends its own dy (the fan-in
+    above; with the forward's dp_size only one member would); its DISPATCH half carries dy.
+    When the forward has dp_size 1, both are one handle (its two halves are independent).
+Why not the forward handle: XLA orders ops by data only. Under `jax.grad` with rematerialised
+layers (jax.checkpoint), the recomputed forward of layer i and the backward of layer i+1 have
+no data dependency, so XLA may interleave their cycles, and not identically on every process.
+On separate handles that is harmless; on one handle it would be two sends in flight. Within the
+backward, each handle half is used by one layer at a time: layer i's backward needs layer
+i+1's d x, which is the recv of layer i+1's last backward all-to-all.
+
+Padding rows of expert_x (rows >= expert_num_tokens) are zeroed by differentiable handles in
+every dispatch (primal and forward rule alike, since a jax.grad that does not differentiate x
+runs the primal): on the nvshmem backend they hold stale data, and the expert layer's weight
+gradient would multiply it by the zero cotangent of those rows (NaN * 0 = NaN). Inference
+handles leave them undefined (zeroing them costs L*R*H bytes of writes per call, 235 MB at R1).
+The fp8 dequantising path masks them always: it writes every row anyway.
+
+fp8: bf16 x given to an fp8 handle is quantized inside (1x128 blocks, quant.quantize), sent as
+fp8 and dequantised on arrival to bf16 `expert_x`; its gradient is the straight-through one,
+with respect to the dequantised input (the rounding is not differentiated, nor the scales). fp8
+x with x_scale (the caller's own quantization, for fp8 expert GEMMs) is not differentiable: a
+cotangent in e4m3 would underflow; asking for it raises.
+
+vmap: one handle carries one cycle per half at a time, so a batch of cycles has no batch
+rule; every op raises a clear error under jax.vmap (use jax.lax.map or scan instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+
+from . import quant
+from . import routing as rt
+from .config import MoEConfig
+
+NEEDS_BACKWARD = ("{op} is being differentiated, but this AllToAll has no backward buffers: "
+                  "create it with AllToAll(config, ..., differentiable=True) (collective, "
+                  "outside jit, on every process)")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a static custom_vjp arg
+class Plan:
+    """The backends the rules run on (see the module docstring)."""
+
+    cfg: MoEConfig
+    axis_name: Any
+    fwd: Any
+    dispatch_grad: Any | None = None  # combine half carries d x (forward dp_size)
+    combine_grad: Any | None = None  # dispatch half carries dy (dp_size 1)
+
+    @property
+    def differentiable(self) -> bool:
+        return self.dispatch_grad is not None
+
+
+# -- vmap guard ------------------------------------------------------------------------------
+@functools.cache
+def _vmap_guard(op: str):
+    @custom_vmap
+    def guard(*args):
+        return args
+
+    @guard.def_vmap
+    def _refuse(axis_size, in_batched, *args):
+        raise NotImplementedError(
+            f"jax.vmap of AllToAll.{op} is not supported: a handle carries one dispatch/"
+            "combine cycle at a time and the kernels take one token block, so a batch of "
+            "cycles has no batch rule. Map over the batch with jax.lax.map or jax.lax.scan (one "
+            "cycle per step), or fold the batch into max_num_tokens.")
+
+    return guard
+
+
+def no_vmap(op: str, *trees):
+    """The trees unchanged; a clear error if any leaf is batched by jax.vmap (costs nothing)."""
+    leaves, treedef = jax.tree.flatten(trees)
+    if not leaves:
+        return trees
+    return jax.tree.unflatten(treedef, list(_vmap_guard(op)(*leaves)))
+
+
+def _unwrap(tree):
+    """(values, perturbed) of a custom_vjp forward-rule argument (symbolic_zeros=True)."""
+    is_primal = lambda p: isinstance(p, CustomVJPPrimal)  # noqa: E731
+    values = jax.tree.map(lambda p: p.value, tree, is_leaf=is_primal)
+    flags = jax.tree.leaves(jax.tree.map(lambda p: p.perturbed, tree, is_leaf=is_primal))
+    return values, any(flags)
+
+
+def _is_zero(ct) -> bool:
+    return ct is None or all(isinstance(c, SymbolicZero) for c in jax.tree.leaves(
+        ct, is_leaf=lambda c: isinstance(c, SymbolicZero)))
+
+
+def _live_rows(counts, num_rows):
+    return jnp.arange(num_rows)[None, :] < counts[:, None]  # [L, R]
+
+
+def _zero_past(mask, x):
+    return jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim)), x,
+                     jnp.zeros((), x.dtype))
+
+
+# -- dispatch ------------------------------------------------------------------------------
+def dispatch_send(plan: Plan, x, x_scale, indices, num_tokens, weights):
+    """The backend's send on values only: the gradient flows through dispatch_recv's rule
+    (an FFI call with a perturbed input cannot even be traced under jax.grad)."""
+    args = jax.lax.stop_gradient((x, x_scale, indices, num_tokens, weights))
+    x, x_scale, indices, num_tokens, weights = no_vmap("dispatch_send", *args)
+    return plan.fwd.dispatch_send(x, x_scale, indices, num_tokens, weights=weights)
+
+
+def _dispatch_out(plan: Plan, dequantize: bool, has_weights: bool, state):
+    state = no_vmap("dispatch_recv", state)[0]
+    ex, scale, counts, routing, ew = plan.fwd.dispatch_recv(state)
+    live = _live_rows(counts, plan.cfg.max_recv_tokens)
+    if dequantize:  # writes every row anyway: masking is free
+        ex = _zero_past(live, quant.dequantize(ex, scale)).astype(jnp.bfloat16)
+        scale = None
+    elif plan.differentiable:
+        ex = _zero_past(live, ex)
+        scale = None if scale is None else _zero_past(live, scale)
+    ew = _zero_past(live, ew) if has_weights else None  # undefined past the counts on nvshmem
+    return ex, scale, counts, routing, ew
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def dispatch_recv(plan: Plan, dequantize: bool, state, x, x_scale, indices, num_tokens,
+                  weights):
+    """(expert_x, expert_x_scale, expert_num_tokens, routing, expert_weights) of the dispatch
+    that `state` is in flight for; x, x_scale, weights are that dispatch's inputs, taken here
+    only so that their gradient has a rule (the primal does not read them)."""
+    return _dispatch_out(plan, dequantize, weights is not None, state)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DispatchRes:
+    routing: Any
+    indices: jax.Array
+    num_tokens: jax.Array
+    counts: jax.Array
+    x_dtype: Any = dataclasses.field(metadata=dict(static=True))
+    want_dx: bool = dataclasses.field(metadata=dict(static=True))
+    check_ew: bool = dataclasses.field(metadata=dict(static=True))
+
+
+jax.tree_util.register_dataclass(_DispatchRes)
+
+
+def _dispatch_fwd(plan, dequantize, state, x, x_scale, indices, num_tokens, weights):
+    (state, indices, num_tokens), _ = _unwrap((state, indices, num_tokens))
+    x, x_perturbed = _unwrap(x)
+    x_scale, scale_perturbed = _unwrap(x_scale)
+    weights, w_perturbed = _unwrap(weights)
+    if x_perturbed or scale_perturbed:
+        if not plan.differentiable:
+            raise ValueError(NEEDS_BACKWARD.format(op="AllToAll.dispatch"))
+        if plan.cfg.is_fp8 and not dequantize:
+            raise ValueError(
+                "fp8 x with x_scale is not differentiable (its cotangent would be fp8): give "
+                "dispatch_send bf16 x and no x_scale; the handle quantizes it (1x128 blocks) "
+                "and the gradient is taken with respect to the dequantised input")
+    out = _dispatch_out(plan, dequantize, weights is not None, state)
+    res = _DispatchRes(out[3], indices, num_tokens, out[2], x.dtype, x_perturbed,
+                       w_perturbed)
+    return out, res
+
+
+def _dispatch_bwd(plan, dequantize, res: _DispatchRes, cts):
+    ct_x, _, _, _, ct_w = cts
+    if res.check_ew and not _is_zero(ct_w):
+        raise ValueError(
+            "DispatchOutput.expert_weights carries no gradient back to the router weights: "
+            "weight the expert outputs in combine (its weights are differentiated), or use "
+            "jax.lax.stop_gradient(out.expert_weights) to train without that path")
+    dx = None
+    if res.want_dx and not _is_zero(ct_x):
+        dx = dispatch_grad(plan, ct_x, res.routing, res.counts, res.indices,
+                           res.num_tokens).astype(res.x_dtype)
+    return None, dx, None, None, None, None
+
+
+dispatch_recv.defvjp(_dispatch_fwd, _dispatch_bwd, symbolic_zeros=True)
+
+
+def dispatch_grad(plan: Plan, ct_expert_x, routing, counts, indices, num_tokens):
+    """d x: every copy's cotangent summed back to its token, over the combine half of the
+    dispatch_grad handle with the forward routing; weights 1 on the slots this rank sent, 0
+    elsewhere (its DP partners get theirs), so the sum runs in f32 and adds nothing twice."""
+    cfg, backend = plan.cfg, plan.dispatch_grad
+    ct = _zero_past(_live_rows(counts, cfg.max_recv_tokens), ct_expert_x.astype(jnp.float32))
+    ct, routing, indices, num_tokens = no_vmap("dispatch (backward)", ct, routing, indices,
+                                               num_tokens)
+    pending = backend.combine_send(ct, routing)
+    rank = jax.lax.axis_index(plan.axis_name)
+    ones = rt.sent_slots(cfg, indices, num_tokens, rank).astype(jnp.float32)
+    return backend.combine_recv(pending, indices, ones, num_tokens)
+
+
+# -- combine -------------------------------------------------------------------------------
+def combine_send(plan: Plan, expert_y, routing):
+    """The backend's send on values only (the gradient flows through combine_recv's rule)."""
+    expert_y, routing = no_vmap("combine_send", *jax.lax.stop_gradient((expert_y, routing)))
+    return plan.fwd.combine_send(expert_y, routing)
+
+
+def _combine_args(state, indices, weights, num_tokens):
+    return no_vmap("combine_recv", state, indices, weights, num_tokens)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def combine_recv(plan: Plan, state, expert_y, routing, indices, weights, num_tokens):
+    """y of the combine that `state` is in flight for; expert_y and routing are that
+    combine's inputs, taken here only so that their gradient has a rule."""
+    return plan.fwd.combine_recv(*_combine_args(state, indices, weights, num_tokens))
+
+
+@dataclasses.dataclass(frozen=True)
+class _CombineRes:
+    slot_rows: jax.Array | None  # [max_m, k, H] combine dtype, if weights need a gradient
+    routing: Any  # None unless expert_y needs a gradient
+    indices: jax.Array
+    weights: jax.Array
+    num_tokens: jax.Array
+    y_dtype: Any = dataclasses.field(metadata=dict(static=True))
+
+
+jax.tree_util.register_dataclass(_CombineRes)
+
+
+def _combine_fwd(plan, state, expert_y, routing, indices, weights, num_tokens):
+    (state, routing, indices, num_tokens), _ = _unwrap((state, routing, indices, num_tokens))
+    expert_y, y_perturbed = _unwrap(expert_y)
+    weights, w_perturbed = _unwrap(weights)
+    if (y_perturbed or w_perturbed) and not plan.differentiable:
+        raise ValueError(NEEDS_BACKWARD.format(op="AllToAll.combine"))
+    args = _combine_args(state, indices, weights, num_tokens)
+    slot_rows = None
+    if w_perturbed:
+        y, slot_rows = plan.fwd.combine_recv(*args, slot_rows=True)
+    else:
+        y = plan.fwd.combine_recv(*args)
+    res = _CombineRes(slot_rows, routing if y_perturbed else None, indices, weights,
+                      num_tokens, expert_y.dtype)
+    return y, res
+
+
+def _combine_bwd(plan, res: _CombineRes, dy):
+    if _is_zero(dy):
+        return None, None, None, None, None, None
+    dw = None
+    if res.slot_rows is not None:  # rows of unused/repeated slots and dead tokens are zero
+        dw = jnp.sum(dy.astype(jnp.float32)[:, None, :] * res.slot_rows.astype(jnp.float32),
+                     axis=-1)
+    d_expert_y = None
+    if res.routing is not None:
+        d_expert_y = combine_grad(plan, dy, res.routing, res.indices, res.weights,
+                                  res.num_tokens).astype(res.y_dtype)
+    return None, d_expert_y, None, None, dw, None
+
+
+combine_recv.defvjp(_combine_fwd, _combine_bwd, symbolic_zeros=True)
+
+
+def combine_grad(plan: Plan, dy, routing, indices, weights, num_tokens):
+    """d expert_y [L, R, H] f32: dy dispatched (bf16, with the forward's routing and weights)
+    on the dispatch half of the combine_grad handle (dp_size 1: every DP member sends its own
+    dy), each arriving row scaled by its weight, then moved to the row of the forward layout
+    with the same (group, token, slot) key. Row order within an expert differs between two
+    dispatches on the nvshmem backend, hence the keys; a forward row gets one arriving row
+    per member of its token's DP group, summed in f32."""
+    cfg, backend = plan.cfg, plan.combine_grad
+    args = no_vmap("combine (backward)", dy.astype(jnp.bfloat16), indices, num_tokens, weights)
+    pending = backend.dispatch_send(args[0], None, *args[1:])
+    rows, _, counts, routing_b, ew = backend.dispatch_recv(pending)
+    keys_b = backend.row_keys(routing_b)  # [L, Rb], groups of the dp-1 handle = ranks
+    keys_f = plan.fwd.row_keys(routing)  # [L, R], -1 past the forward counts
+    L, Rb = keys_b.shape
+    dp, span = cfg.dp_size, cfg.max_num_tokens * cfg.experts_per_token
+    space = cfg.world_size * span  # every key of the dp-1 handle
+    e = jnp.arange(L)[:, None]
+    live_b = _live_rows(counts, Rb) & (keys_b >= 0)
+    slot_of = jnp.full((L, space), -1, jnp.int32).at[e, jnp.where(live_b, keys_b, space)].set(
+        jnp.broadcast_to(jnp.arange(Rb, dtype=jnp.int32), (L, Rb)), mode="drop")
+    group, rest = keys_f // span, keys_f % span
+    out = jnp.zeros(keys_f.shape + (cfg.hidden,), jnp.float32)
+    for member in range(dp):  # the forward group's members are ranks group*dp + member
+        key_b = (group * dp + member) * span + rest
+        i = jnp.where(keys_f >= 0, slot_of[e, jnp.clip(key_b, 0, space - 1)], -1)
+        ic = jnp.clip(i, 0)
+        row = jnp.take_along_axis(rows, ic[..., None], axis=1).astype(jnp.float32)
+        w = jnp.take_along_axis(ew, ic, axis=1)
+        out = out + jnp.where((i >= 0)[..., None], w[..., None] * row, 0.0)
+    return out
+
+
+class DispatchArgs(NamedTuple):
+    """The differentiable inputs of a dispatch in flight (carried to dispatch_recv's rule)."""
+
+    x: jax.Array
+    x_scale: jax.Array | None
+    indices: jax.Array  # first_occurrence'd
+    num_tokens: jax.Array
+    weights: jax.Array | None  # merged
+
+
+class CombineArgs(NamedTuple):
+    """The differentiable inputs of a combine in flight (carried to combine_recv's rule)."""
+
+    expert_y: jax.Array
+    routing: Any
