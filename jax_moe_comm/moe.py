@@ -13,10 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import quant
 from .api import AllToAll, order_after
-from .config import SCALE_BLOCK, MoEConfig
+from .config import MoEConfig
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# The fp8 block quantization now lives in quant.py (dispatch quantizes bf16 x itself).
+FP8_MAX = quant.FP8_MAX
+quantize_fp8, dequantize_fp8 = quant.quantize, quant.dequantize
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,11 +31,12 @@ class MoELayerConfig:
     max_num_tokens: int = 32  # per rank
     shared_expert: bool = True
     fp8_dispatch: bool = False
+    dp_size: int = 1  # ranks per DP group (they hold the same tokens)
 
     def comm_config(self, world_size: int) -> MoEConfig:
         return MoEConfig(num_experts=self.num_experts, experts_per_token=self.experts_per_token,
                          hidden=self.hidden, max_num_tokens=self.max_num_tokens,
-                         world_size=world_size,
+                         world_size=world_size, dp_size=self.dp_size,
                          dispatch_dtype=jnp.float8_e4m3fn if self.fp8_dispatch else jnp.bfloat16)
 
 
@@ -41,7 +45,7 @@ def init_params(cfg: MoELayerConfig, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     H, F, E = cfg.hidden, cfg.ffn, cfg.num_experts
     p = {
-        "router": rng.standard_normal((H, E)).astype(np.float32) / np.sqrt(H),
+        "router": (rng.standard_normal((H, E)) / np.sqrt(H)).astype(np.float32),
         "w_in": (rng.standard_normal((E, H, F)) / np.sqrt(H)).astype(jnp.bfloat16),
         "w_out": (rng.standard_normal((E, F, H)) / np.sqrt(F)).astype(jnp.bfloat16),
     }
@@ -51,24 +55,15 @@ def init_params(cfg: MoELayerConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return p
 
 
-def route(router, x, k):
-    """Top-k experts per token and their softmax weights (f32)."""
+def route(router, x, k, drop=None):
+    """Top-k experts per token and their softmax weights (f32); slots where the optional
+    bool mask `drop` [m, k] is set get expert -1 (unused), as a capacity limit would do."""
     logits = jnp.dot(x.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
     top, idx = jax.lax.top_k(logits, k)
-    return idx.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
-
-
-def quantize_fp8(x):
-    """Per 1x128 block: scale = max|x| / 448, x_fp8 = x / scale."""
-    m, H = x.shape
-    blocks = x.astype(jnp.float32).reshape(m, H // SCALE_BLOCK, SCALE_BLOCK)
-    scale = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), 1e-12) / FP8_MAX
-    q = (blocks / scale[..., None]).reshape(m, H).astype(jnp.float8_e4m3fn)
-    return q, scale
-
-
-def dequantize_fp8(q, scale):
-    return q.astype(jnp.float32) * jnp.repeat(scale, SCALE_BLOCK, axis=-1)
+    idx = idx.astype(jnp.int32)
+    if drop is not None:
+        idx = jnp.where(drop, -1, idx)
+    return idx, jax.nn.softmax(top, axis=-1)
 
 
 def mlp(x, w_in, w_out):
@@ -76,20 +71,19 @@ def mlp(x, w_in, w_out):
     return jnp.dot(h.astype(jnp.bfloat16), w_out, preferred_element_type=jnp.float32)
 
 
-def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens):
-    """Per rank, inside shard_map: x [max_m, H] bf16 -> y [max_m, H] bf16."""
-    indices, weights = route(params["router"], x, cfg.experts_per_token)
-    if cfg.fp8_dispatch:
-        xq, scale = quantize_fp8(x)
-        pending = a2a.dispatch_send(xq, indices, num_tokens, x_scale=scale)
-    else:
-        pending = a2a.dispatch_send(x, indices, num_tokens)
+def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens, drop=None):
+    """Per rank, inside shard_map: x [max_m, H] bf16 -> y [max_m, H] bf16.
+
+    Differentiable (jax.grad) on a differentiable handle; with fp8 dispatch, x goes to the
+    handle in bf16 and is quantized there (gradient straight through the quantization).
+    """
+    indices, weights = route(params["router"], x, cfg.experts_per_token, drop)
+    pending = a2a.dispatch_send(x, indices, num_tokens)
     shared = mlp(x, params["shared_in"], params["shared_out"]) if cfg.shared_expert else None
     if shared is not None:  # the shared expert runs while the tokens are on the wire
         pending = order_after(pending, shared)
     out = a2a.dispatch_recv(pending)
-    ex = out.expert_x
-    ex = dequantize_fp8(ex, out.expert_x_scale).astype(jnp.bfloat16) if cfg.fp8_dispatch else ex
+    ex = out.expert_x  # bf16 (dequantised on arrival with fp8 dispatch)
     h = jax.nn.silu(jnp.einsum("lrh,lhf->lrf", ex, params["w_in"],
                                preferred_element_type=jnp.float32))
     expert_y = jnp.einsum("lrf,lfh->lrh", h.astype(jnp.bfloat16), params["w_out"],
@@ -101,13 +95,11 @@ def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens):
     return jnp.where(rows, y, 0)
 
 
-def dense_forward(cfg: MoELayerConfig, params, x, num_tokens):
-    """The same layer on one device, every expert applied densely: the oracle of the demo."""
-    indices, weights = route(params["router"], x, cfg.experts_per_token)
-    if cfg.fp8_dispatch:
-        xe = dequantize_fp8(*quantize_fp8(x)).astype(jnp.bfloat16)
-    else:
-        xe = x
+def dense_forward(cfg: MoELayerConfig, params, x, num_tokens, drop=None):
+    """The same layer on one device, every expert applied densely: the oracle of the demo
+    (values and, with fp8 dispatch through quant.fake_quantize, gradients)."""
+    indices, weights = route(params["router"], x, cfg.experts_per_token, drop)
+    xe = quant.fake_quantize(x) if cfg.fp8_dispatch else x
 
     def add_expert(e, y):
         w = jnp.sum(jnp.where(indices == e, weights, 0.0), axis=-1, keepdims=True)
