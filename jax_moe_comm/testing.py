@@ -242,3 +242,298 @@ def run_and_check(a2a: AllToAll, mesh, inp: Inputs, split: bool = False, step=No
         check_dispatch(cfg, inp, rank, ex_b[rank], scales, c_b[rank])
         worst = max(worst, check_combine(cfg, inp, rank, y_b[rank]))
     return worst
+
+
+# -- gradients -------------------------------------------------------------------------------
+# loss = sum over ranks r of <G_r, y_r> for y = combine(f(dispatch(x))), f_e(x) = c_e * x:
+# dy_r = G_r, and the gradients have closed forms (expected_grads).
+def loss_cotangent(cfg: MoEConfig, seed: int) -> np.ndarray:
+    """G [EP, max_m, H] f32: every rank's cotangent of y (different on DP partners), bf16
+    values (y is bf16, so its cotangent is rounded to bf16 before the rules see it)."""
+    rng = np.random.default_rng(seed + 7)
+    G = rng.standard_normal((cfg.world_size, cfg.max_num_tokens, cfg.hidden))
+    return G.astype(jnp.bfloat16).astype(np.float32)
+
+
+def differentiable_x(cfg: MoEConfig, inp: Inputs) -> np.ndarray:
+    """bf16 x [EP, max_m, H] of the differentiable path (fp8 handles quantize it inside)."""
+    return dequantize(inp.x, inp.x_scale).astype(np.float32).astype(jnp.bfloat16)
+
+
+def dispatched_x(cfg: MoEConfig, x_bf16: np.ndarray) -> np.ndarray:
+    """What the experts see of bf16 x: itself, or its fp8 round trip on an fp8 handle."""
+    if not cfg.is_fp8:
+        return np.asarray(x_bf16, np.float64)
+    from . import quant
+
+    flat = x_bf16.reshape(-1, cfg.hidden)
+    deq = jax.jit(lambda v: quant.dequantize(*quant.quantize(v)).astype(jnp.bfloat16))(flat)
+    return np.asarray(deq, np.float64).reshape(x_bf16.shape)
+
+
+def expected_grads(cfg: MoEConfig, inp: Inputs, x_bf16: np.ndarray, G: np.ndarray,
+                   rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """(d x [max_m, H], d weights [max_m, k]) of rank `rank`, float64.
+
+    A repeated expert is one row with the summed weight; d weights of each of its slots is the
+    gradient of that sum. In a DP group the expert row's cotangent sums every member's
+    w * G, and d x of a slot lands on the member that sent it (dst % dp == rank % dp).
+    """
+    c = expert_factor(cfg)
+    dp, L, k = cfg.dp_size, cfg.num_local_experts, cfg.experts_per_token
+    group = range((rank // dp) * dp, (rank // dp + 1) * dp)
+    xd = dispatched_x(cfg, x_bf16[rank])
+    dx = np.zeros((cfg.max_num_tokens, cfg.hidden))
+    dw = np.zeros((cfg.max_num_tokens, k))
+    for t in range(inp.num_tokens[rank]):
+        idx = inp.indices[rank, t]
+        for j, e in enumerate(idx):
+            if not 0 <= e < cfg.num_experts:
+                continue
+            row = (c[e] * xd[t]).astype(np.float32).astype(cfg.combine_dtype)
+            dw[t, j] = np.dot(G[rank, t].astype(np.float64), row.astype(np.float64))
+            if list(idx).index(e) != j or (e // L) % dp != rank % dp:
+                continue  # repeated slot (sent once), or sent by a DP partner
+            same = idx == e
+            ct = sum(inp.weights[d, t][same].sum() * G[d, t].astype(np.float64) for d in group)
+            dx[t] += c[e] * ct
+    return dx, dw
+
+
+def make_grad_step(a2a: AllToAll, mesh, split: bool = False, plain: bool = False):
+    """jit(shard_map) of (x bf16, indices, weights, num_tokens, G) -> (d x, d weights, y),
+    the gradient of sum_r <G_r, y_r> taken inside shard_map (no psum: every rank seeds its own
+    <G, y> and the backward all-to-alls bring the other ranks' parts).
+
+    plain=True: plain-JAX autodiff of the reference backend's ops instead of the rules (the
+    ground truth); on an fp8 handle, of a bf16 reference backend after quant.fake_quantize.
+    """
+    cfg = a2a.config
+    axis = mesh.axis_names[0]
+    spec = P(axis)
+    if plain:
+        from . import quant, routing as rt
+        from .backends.reference import ReferenceBackend
+
+        bf16_cfg = dataclasses.replace(cfg, dispatch_dtype=jnp.bfloat16)
+        ref = ReferenceBackend(bf16_cfg, axis, check_routing=False)
+
+    def layer(x, indices, weights, nt):
+        rank = jax.lax.axis_index(axis)
+        if plain:
+            first, merged = rt.merge_repeats(indices, weights)
+            xq = quant.fake_quantize(x) if cfg.is_fp8 else x
+            ex, _, _, routing, _ = ref.dispatch_recv(ref.dispatch_send(xq, None, first, nt))
+            ey = expert_outputs(cfg, rank, ex, None)
+            return ref.combine_recv(ref.combine_send(ey, routing), first, merged, nt)
+        if split:
+            out = a2a.dispatch_recv(a2a.dispatch_send(x, indices, nt))
+        else:
+            out = a2a.dispatch(x, indices, nt)
+        ey = expert_outputs(cfg, rank, out.expert_x, out.expert_x_scale)
+        if split:
+            return a2a.combine_recv(a2a.combine_send(ey, out.routing), indices, weights, nt)
+        return a2a.combine(ey, out.routing, indices, weights, nt)
+
+    def body(x, indices, weights, num_tokens, G):
+        nt = num_tokens.reshape(())
+
+        def loss(x, weights):
+            y = layer(x, indices, weights, nt)
+            return jnp.sum(G * y.astype(jnp.float32)), y
+
+        (_, y), (dx, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, weights)
+        return dx, dw, y
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 5,
+                                 out_specs=(spec, spec, spec)))
+
+
+def grad_inputs(cfg: MoEConfig, mesh, inp: Inputs, G: np.ndarray):
+    """(x bf16, indices, weights, num_tokens, G) as global arrays for make_grad_step."""
+    x = differentiable_x(cfg, inp)
+    _, _, idx, w, nt = global_inputs(cfg, mesh, inp)
+    put = lambda a: global_inputs(cfg, mesh, dataclasses.replace(  # noqa: E731
+        inp, x=a))[0]
+    return put(x), idx, w, nt, put(G)
+
+
+def check_grads_against_oracle(a2a: AllToAll, mesh, inp: Inputs, G: np.ndarray, step=None,
+                               split: bool = False) -> float:
+    """Runs make_grad_step; asserts this process's ranks' gradients against expected_grads;
+    returns the max abs error relative to the largest expected value."""
+    cfg = a2a.config
+    step = step or make_grad_step(a2a, mesh, split)
+    dx, dw, _ = step(*grad_inputs(cfg, mesh, inp, G))
+    m = cfg.max_num_tokens
+    dx_b, dw_b = local_blocks(dx, m), local_blocks(dw, m)
+    x_bf16 = differentiable_x(cfg, inp)
+    worst = 0.0
+    for rank in sorted(dx_b):
+        want_dx, want_dw = expected_grads(cfg, inp, x_bf16, G, rank)
+        for name, got, want in (("d x", dx_b[rank], want_dx), ("d weights", dw_b[rank],
+                                                                 want_dw)):
+            got = np.asarray(got, np.float64)
+            scale = max(1.0, float(np.abs(want).max()))
+            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * scale,
+                                       err_msg=f"rank {rank}: {name}")
+            worst = max(worst, float(np.abs(got - want).max()) / scale)
+    return worst
+
+
+# -- gradients of the MoE layer of moe.py ----------------------------------------------------
+def layer_stack(a2a, cfg, params_list, x, nt, drop, *, dense=False, remat=False):
+    """Layers applied in turn (each output the next input), through the all-to-all or dense."""
+    from .moe import dense_forward, moe_forward
+
+    def one(p, h):
+        if dense:
+            return dense_forward(cfg, p, h, nt, drop)
+        return moe_forward(a2a, cfg, p, h, nt, drop)
+
+    fn = jax.checkpoint(one) if remat else one
+    for p in params_list:
+        x = fn(p, x)
+    return x
+
+
+def layer_shardings(mesh, params_list):
+    """Expert weights sharded over the EP axis, the rest replicated."""
+    axis = mesh.axis_names[0]
+    return [{k: P(axis) if k in ("w_in", "w_out") else P() for k in p} for p in params_list]
+
+
+def make_layer_grad_step(a2a: AllToAll, cfg, mesh, num_layers: int = 1, remat: bool = False):
+    """jit(shard_map) of (params_list, x, num_tokens, G, drop) -> (grads_list, d x): every
+    rank's gradient of sum_r <G_r, layers(x_r)>, taken per rank inside shard_map with the
+    replicated parameters made varying (no psum): router and shared-expert gradients come out
+    per rank ([EP, ...], from that rank's own output), expert gradients on their rank."""
+    axis = mesh.axis_names[0]
+    spec = P(axis)
+
+    def body(params_list, x, num_tokens, G, drop):
+        nt = num_tokens.reshape(())
+        params_list = [{k: (v if k in ("w_in", "w_out") else jax.lax.pcast(v, axis,
+                                                                          to="varying"))
+                        for k, v in p.items()} for p in params_list]
+
+        def loss(ps, x):
+            y = layer_stack(a2a, cfg, ps, x, nt, drop, remat=remat)
+            return jnp.sum(G * y.astype(jnp.float32))
+
+        grads, dx = jax.grad(loss, argnums=(0, 1))(params_list, x)
+        grads = [{k: (v if k in ("w_in", "w_out") else v[None]) for k, v in g.items()}
+                 for g in grads]
+        return grads, dx
+
+    def step(params_list, x, num_tokens, G, drop):
+        specs = layer_shardings(mesh, params_list)
+        out_specs = ([{k: spec for k in p} for p in params_list], spec)
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, spec, spec, spec, spec),
+                           out_specs=out_specs)
+        return fn(params_list, x, num_tokens, G, drop)
+
+    return jax.jit(step)
+
+
+def dense_layer_grads(cfg, params_list, x, num_tokens, G, drop):
+    """The same gradients from the dense layers on one device, for all ranks at once:
+    x, G [EP, m, H], num_tokens [EP], drop [EP, m, k] -> (grads_list with router/shared
+    [EP, ...] per rank and experts summed over the ranks' losses, d x [EP, m, H])."""
+
+    def per_rank(ps, x, nt, G, drop):
+        def loss(ps, x):
+            y = layer_stack(None, cfg, ps, x, nt, drop, dense=True)
+            return jnp.sum(G * y.astype(jnp.float32))
+
+        return jax.grad(loss, argnums=(0, 1))(ps, x)
+
+    grads, dx = jax.jit(jax.vmap(per_rank, in_axes=(None, 0, 0, 0, 0)))(
+        params_list, x, num_tokens, G, drop)
+    grads = [{k: (jnp.sum(v, axis=0) if k in ("w_in", "w_out") else v) for k, v in g.items()}
+             for g in grads]
+    return grads, dx
+
+
+def layer_grad_inputs(cfg, world: int, seed: int, drop_rate: float = 0.0, ragged: bool = True):
+    """x bf16, num_tokens, G f32 and drop mask for every rank ([EP, ...]; DP partners equal,
+    except G: each member has its own output cotangent)."""
+    rng = np.random.default_rng(seed)
+    dp, m = cfg.dp_size, cfg.max_num_tokens
+    G_ = world // dp
+    x = rng.standard_normal((G_, m, cfg.hidden)).astype(jnp.bfloat16)
+    nt = (rng.integers(1, m + 1, G_) if ragged else np.full(G_, m)).astype(np.int32)
+    drop = rng.random((G_, m, cfg.experts_per_token)) < drop_rate
+    rep = lambda a: np.repeat(a, dp, axis=0)  # noqa: E731
+    G = rng.standard_normal((world, m, cfg.hidden)).astype(np.float32)
+    return rep(x), rep(nt), G, rep(drop)
+
+
+def compare_layer_grads(moe_grads, moe_dx, dense_grads, dense_dx, ranks, experts_per_rank,
+                        dp_size: int = 1, rtol: float = 3e-2) -> float:
+    """Asserts the MoE gradients of `ranks` against the dense ones within bf16 tolerance
+    (relative to each tensor's largest dense value); returns the worst relative error.
+    moe_* map rank -> that rank's block. With dp_size > 1, d x is compared only when every
+    member of a group is in `ranks`, summed over the group (the members split the expert
+    path of d x between them: the slot's sender gets it)."""
+    worst = 0.0
+
+    def close(name, got, want):
+        nonlocal worst
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        scale = max(float(np.abs(want).max()), 1e-6)
+        err = float(np.abs(got - want).max()) / scale
+        assert np.all(np.isfinite(got)), f"{name}: not finite"
+        assert err <= rtol, f"{name}: max |moe - dense| = {err:.3g} of max |dense| {scale:.3g}"
+        worst = max(worst, err)
+
+    L = experts_per_rank
+    for layer, (mg, dg) in enumerate(zip(moe_grads, dense_grads)):
+        for rank in ranks:
+            for name, g in mg[rank].items():
+                want = dg[name][rank * L:(rank + 1) * L] if name in ("w_in", "w_out") \
+                    else dg[name][rank]
+                close(f"layer {layer} rank {rank} d {name}", g, want)
+    groups = sorted({r // dp_size for r in ranks})
+    for g in groups:
+        members = range(g * dp_size, (g + 1) * dp_size)
+        if all(r in ranks for r in members):
+            close(f"group {g} d x", sum(np.asarray(moe_dx[r], np.float64) for r in members),
+                  sum(np.asarray(dense_dx[r], np.float64) for r in members))
+    return worst
+
+
+def put_global(mesh, a, spec=None):
+    """A numpy array as a global array sharded over the EP axis on its first dimension
+    (spec None), or with `spec` (P(): replicated); every process passes all of it."""
+    a = np.asarray(a)
+    spec = P(mesh.axis_names[0]) if spec is None else spec
+    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda idx: a[idx])
+
+
+def run_layer_grads(a2a: AllToAll, cfg, mesh, params_list, x, num_tokens, G, drop,
+                    remat: bool = False, step=None):
+    """make_layer_grad_step on numpy inputs ([EP, ...] per rank, params full) -> this
+    process's blocks, as layer_grad_blocks gives them."""
+    flat = lambda a: np.asarray(a).reshape((-1,) + np.asarray(a).shape[2:])  # noqa: E731
+    specs = layer_shardings(mesh, params_list)
+    gp = [{k: put_global(mesh, v, specs[i][k]) for k, v in p.items()}
+          for i, p in enumerate(params_list)]
+    step = step or make_layer_grad_step(a2a, cfg, mesh, len(params_list), remat)
+    grads, dx = step(gp, put_global(mesh, flat(x)), put_global(mesh, num_tokens),
+                     put_global(mesh, flat(G)), put_global(mesh, flat(drop)))
+    world = mesh.devices.size
+    return layer_grad_blocks(grads, dx, cfg.num_experts // world, cfg.max_num_tokens)
+
+
+def layer_grad_blocks(grads_list, dx, experts_per_rank: int, max_m: int):
+    """make_layer_grad_step's global outputs -> ([{rank: {name: block}}], {rank: d x})."""
+    out = []
+    for g in grads_list:
+        per = collections.defaultdict(dict)
+        for name, arr in g.items():
+            expert = name in ("w_in", "w_out")
+            for rank, block in local_blocks(arr, experts_per_rank if expert else 1).items():
+                per[rank][name] = block if expert else block[0]
+        out.append(dict(per))
+    return out, local_blocks(dx, max_m)

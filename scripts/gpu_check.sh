@@ -40,6 +40,17 @@ done
 # Command buffers (CUDA graphs) off: the same results.
 XLA_FLAGS=--xla_gpu_enable_command_buffer= run gpu_suite_n2_nocmdbuf 300 \
   $PY -m jax_moe_comm.launch -n 2 --oversubscribe --timeout 280 -- $PY "$WORKER" --quick --steps 10
+# Gradients (issue 11): nvshmem against each rank's oracle and dense layer, 50 training steps,
+# command buffers on and off.
+GRAD="$OLDPWD/tests/gpu_grad_worker.py"
+for n in ${GRAD_RANKS:-2 8}; do
+  run "gpu_grad_n$n" 900 $PY -m jax_moe_comm.launch -n $n --oversubscribe --timeout 880 -- \
+    $PY "$GRAD" $Q --steps 50
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= run "gpu_grad_n${n}_nocmdbuf" 900 \
+    $PY -m jax_moe_comm.launch -n $n --oversubscribe --timeout 880 -- $PY "$GRAD" --quick --steps 50
+done
+run demo_train_n8 300 $PY -m jax_moe_comm.launch -n 8 --oversubscribe --timeout 280 -- \
+  $PY -m jax_moe_comm.demo --train --steps 20
 run demo_n8 300 $PY -m jax_moe_comm.launch -n 8 --oversubscribe --timeout 280 -- \
   $PY -m jax_moe_comm.demo --steps 20
 if [ -n "$BENCH" ]; then
