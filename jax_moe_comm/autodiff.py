@@ -163,8 +163,8 @@ def _dispatch_out(plan: Plan, dequantize: bool, has_weights: bool, state):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def dispatch_recv(plan: Plan, dequantize: bool, state, x, x_scale, indices, num_tokens,
-                  weights):
+def _dispatch_recv(plan: Plan, dequantize: bool, state, x, x_scale, indices, num_tokens,
+                   weights):
     """(expert_x, expert_x_scale, expert_num_tokens, routing, expert_weights) of the dispatch
     that `state` is in flight for; x, x_scale, weights are that dispatch's inputs, taken here
     only so that their gradient has a rule (the primal does not read them)."""
@@ -218,7 +218,10 @@ def _dispatch_bwd(plan, dequantize, res: _DispatchRes, cts):
     return None, dx, None, None, None, None
 
 
-dispatch_recv.defvjp(_dispatch_fwd, _dispatch_bwd, symbolic_zeros=True)
+_dispatch_recv.defvjp(_dispatch_fwd, _dispatch_bwd, symbolic_zeros=True)
+# Staged: un-jitted shard_map runs a custom_vjp call op by op and does not implement
+# symbolic_zeros there (NotImplementedError even without jax.grad); under jit it is a jaxpr.
+dispatch_recv = jax.jit(_dispatch_recv, static_argnums=(0, 1))
 
 
 def dispatch_grad(plan: Plan, ct_expert_x, routing, counts, indices, num_tokens):
@@ -247,7 +250,7 @@ def _combine_args(state, indices, weights, num_tokens):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def combine_recv(plan: Plan, state, expert_y, routing, indices, weights, num_tokens):
+def _combine_recv(plan: Plan, state, expert_y, routing, indices, weights, num_tokens):
     """y of the combine that `state` is in flight for; expert_y and routing are that
     combine's inputs, taken here only so that their gradient has a rule."""
     return plan.fwd.combine_recv(*_combine_args(state, indices, weights, num_tokens))
@@ -297,7 +300,8 @@ def _combine_bwd(plan, res: _CombineRes, dy):
     return None, d_expert_y, None, None, dw, None
 
 
-combine_recv.defvjp(_combine_fwd, _combine_bwd, symbolic_zeros=True)
+_combine_recv.defvjp(_combine_fwd, _combine_bwd, symbolic_zeros=True)
+combine_recv = jax.jit(_combine_recv, static_argnums=(0,))  # staged, as dispatch_recv
 
 
 def combine_grad(plan: Plan, dy, routing, indices, weights, num_tokens):
@@ -308,8 +312,9 @@ def combine_grad(plan: Plan, dy, routing, indices, weights, num_tokens):
     dispatches on the nvshmem backend, hence the keys; a forward row gets one arriving row
     per member of its token's DP group, summed in f32."""
     cfg, backend = plan.cfg, plan.combine_grad
-    args = no_vmap("combine (backward)", dy.astype(jnp.bfloat16), indices, num_tokens, weights)
-    pending = backend.dispatch_send(args[0], None, *args[1:])
+    dy, indices, num_tokens, weights = no_vmap("combine (backward)", dy.astype(jnp.bfloat16),
+                                               indices, num_tokens, weights)
+    pending = backend.dispatch_send(dy, None, indices, num_tokens, weights=weights)
     rows, _, counts, routing_b, ew = backend.dispatch_recv(pending)
     keys_b = backend.row_keys(routing_b)  # [L, Rb], groups of the dp-1 handle = ranks
     keys_f = plan.fwd.row_keys(routing)  # [L, R], -1 past the forward counts
