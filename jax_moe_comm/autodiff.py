@@ -290,9 +290,12 @@ def _combine_bwd(plan, res: _CombineRes, dy):
     if _is_zero(dy):
         return None, None, None, None, None, None
     dw = None
-    if res.slot_rows is not None:  # rows of unused/repeated slots and dead tokens are zero
+    if res.slot_rows is not None:
         dw = jnp.sum(dy.astype(jnp.float32)[:, None, :] * res.slot_rows.astype(jnp.float32),
                      axis=-1)
+        # Zero (not just small) for unused and repeated slots and dead tokens, whatever the
+        # backend left in their slot rows: a [max_m, k] select.
+        dw = jnp.where(rt.valid_slots(plan.cfg, res.indices, res.num_tokens), dw, 0.0)
     d_expert_y = None
     if res.routing is not None:
         d_expert_y = combine_grad(plan, dy, res.routing, res.indices, res.weights,
