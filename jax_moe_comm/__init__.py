@@ -1,15 +1,15 @@
 """jax_moe_comm: expert-parallel MoE dispatch/combine for JAX (NVSHMEM kernels + reference)."""
 
-from .api import (AllToAll, DispatchOutput, PendingCombine, PendingDispatch, order_after,
-                  resolve_backend)
+from .api import (CHECKPOINT_NAME, AllToAll, DispatchOutput, PendingCombine, PendingDispatch,
+                  order_after, resolve_backend)
 from .config import KernelTuning, MoEConfig
 from .errors import (InvalidRoutingError, MoECommError, NativeUnavailableError,
                      PeerTimeoutError, ProtocolError)
 from .bootstrap import finalize, init
 
 __all__ = [
-    "AllToAll", "DispatchOutput", "order_after", "PendingCombine", "PendingDispatch",
-    "resolve_backend",
+    "AllToAll", "CHECKPOINT_NAME", "DispatchOutput", "order_after", "PendingCombine",
+    "PendingDispatch", "resolve_backend",
     "KernelTuning", "MoEConfig", "InvalidRoutingError", "MoECommError",
     "NativeUnavailableError", "PeerTimeoutError", "ProtocolError", "init", "finalize",
 ]

@@ -16,6 +16,13 @@ from .errors import NativeUnavailableError, ProtocolError
 
 BACKENDS = ("auto", "reference", "nvshmem")
 
+# Every output of dispatch_recv and combine_recv (and what their gradient rules save) carries
+# this jax.checkpoint name, so that a remat policy can keep them and never recompute an
+# all-to-all in the backward pass:
+# jax.checkpoint(layer, policy=jax.checkpoint_policies.save_only_these_names(CHECKPOINT_NAME))
+CHECKPOINT_NAME = ad.CHECKPOINT_NAME
+_named = ad._named
+
 
 class DispatchOutput(NamedTuple):
     """What dispatch lays out per local expert, per rank.
@@ -152,6 +159,7 @@ class AllToAll:
                 raise NativeUnavailableError(native.unavailable_reason())
             backend = nvshmem.NvshmemBackend(config, self.axis_name, self._tuning,
                                              self._timeout_s)
+            ad.allow_remat_of_ffi_calls()  # jax.checkpoint saves the all-to-alls' outputs
         self._backends.append(backend)
         return backend
 
@@ -230,8 +238,9 @@ class AllToAll:
         self._live()
         a = pending.args
         dequantize = self.config.is_fp8 and a.x_scale is None
-        return DispatchOutput(*ad.dispatch_recv(self._plan, dequantize, pending.state, a.x,
-                                                a.x_scale, a.indices, a.num_tokens, a.weights))
+        return DispatchOutput(*_named(ad.dispatch_recv(
+            self._plan, dequantize, pending.state, a.x, a.x_scale, a.indices, a.num_tokens,
+            a.weights)))
 
     def dispatch(self, x, indices, num_tokens, *, x_scale=None, weights=None) -> DispatchOutput:
         return self.dispatch_recv(self.dispatch_send(x, indices, num_tokens, x_scale=x_scale,
@@ -260,8 +269,8 @@ class AllToAll:
         num_tokens = rt.check_num_tokens(cfg, num_tokens)
         first, merged = rt.merge_repeats(indices, weights)
         a = pending.args
-        return ad.combine_recv(self._plan, pending.state, a.expert_y, a.routing, first, merged,
-                               num_tokens)
+        return _named(ad.combine_recv(self._plan, pending.state, a.expert_y, a.routing, first,
+                                      merged, num_tokens))
 
     def combine(self, expert_y, routing, indices, weights, num_tokens) -> jax.Array:
         return self.combine_recv(self.combine_send(expert_y, routing), indices, weights,

@@ -32,12 +32,17 @@ and f32 combine:
   * `combine_grad`: dp_size 1, so that every member of a DP group sends its own dy (the fan-in
     above; with the forward's dp_size only one member would); its DISPATCH half carries dy.
     When the forward has dp_size 1, both are one handle (its two halves are independent).
-Why not the forward handle: XLA orders ops by data only. Under `jax.grad` with rematerialised
-layers (jax.checkpoint), the recomputed forward of layer i and the backward of layer i+1 have
-no data dependency, so XLA may interleave their cycles, and not identically on every process.
-On separate handles that is harmless; on one handle it would be two sends in flight. Within the
-backward, each handle half is used by one layer at a time: layer i's backward needs layer
-i+1's d x, which is the recv of layer i+1's last backward all-to-all.
+Why not the forward handle: XLA orders ops by data only, and nothing orders a layer's backward
+all-to-alls against forward cycles that do not feed it (a rematerialised forward, or other
+work the user puts in the same jit): on one handle XLA could put two cycles in flight. On
+separate handles that is harmless. Within the backward, each handle half is used by one layer
+at a time: layer i's backward needs layer i+1's d x, which is the recv of layer i+1's last
+backward all-to-all; and the forward cycles of a sequential model all precede the loss.
+
+jax.checkpoint: on the nvshmem backend the all-to-alls run once in the forward pass and their
+outputs are saved (allow_remat_of_ffi_calls), so a rematerialised layer recomputes its experts,
+not its communication. The reference backend (plain JAX) recomputes them unless a policy saves
+the outputs named CHECKPOINT_NAME; it is stateless, so that is only time.
 
 Padding rows of expert_x (rows >= expert_num_tokens) are zeroed by differentiable handles in
 every dispatch (primal and forward rule alike, since a jax.grad that does not differentiate x
@@ -64,12 +69,17 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from . import quant
 from . import routing as rt
 from .config import MoEConfig
+
+# The outputs and saved residuals carry this jax.checkpoint name (api.CHECKPOINT_NAME): a remat
+# policy that saves it recomputes no all-to-all in the backward pass.
+CHECKPOINT_NAME = "jax_moe_comm"
 
 NEEDS_BACKWARD = ("{op} is being differentiated, but this AllToAll has no backward buffers: "
                   "create it with AllToAll(config, ..., differentiable=True) (collective, "
@@ -89,6 +99,24 @@ class Plan:
     @property
     def differentiable(self) -> bool:
         return self.dispatch_grad is not None
+
+
+def allow_remat_of_ffi_calls() -> bool:
+    """Let jax.checkpoint hold side-effecting FFI calls (every nvshmem op is one). JAX refuses
+    them ("Effects not supported in partial-eval of checkpoint/remat") unless their effect type
+    is remat-allowed; allowed, an effectful call always runs in the forward pass and its
+    outputs are saved, never recomputed, which is what an all-to-all wants: a recomputed one
+    would be a second cycle on the forward handle, not ordered by data against the other
+    layers' recomputations. Process-wide, and any other library's side-effecting FFI call gets
+    the same treatment (run once, saved) instead of the error. Private JAX API: returns False
+    where it moved (remat then raises JAX's error on the nvshmem backend)."""
+    try:
+        from jax._src import effects
+        from jax._src.ffi import FfiEffect
+        effects.remat_allowed_effects.add_type(FfiEffect)
+    except (ImportError, AttributeError):
+        return False
+    return True
 
 
 # -- vmap guard ------------------------------------------------------------------------------
@@ -128,6 +156,10 @@ def _unwrap(tree):
 def _is_zero(ct) -> bool:
     return ct is None or all(isinstance(c, SymbolicZero) for c in jax.tree.leaves(
         ct, is_leaf=lambda c: isinstance(c, SymbolicZero)))
+
+
+def _named(tree):
+    return jax.tree.map(lambda a: checkpoint_name(a, CHECKPOINT_NAME), tree)
 
 
 def _live_rows(counts, num_rows):
@@ -199,7 +231,7 @@ def _dispatch_fwd(plan, dequantize, state, x, x_scale, indices, num_tokens, weig
                 "dispatch_send bf16 x and no x_scale; the handle quantizes it (1x128 blocks) "
                 "and the gradient is taken with respect to the dequantised input")
     out = _dispatch_out(plan, dequantize, weights is not None, state)
-    res = _DispatchRes(out[3], indices, num_tokens, out[2], x.dtype, x_perturbed,
+    res = _DispatchRes(*_named((out[3], indices, num_tokens, out[2])), x.dtype, x_perturbed,
                        w_perturbed)
     return out, res
 
@@ -281,8 +313,8 @@ def _combine_fwd(plan, state, expert_y, routing, indices, weights, num_tokens):
         y, slot_rows = plan.fwd.combine_recv(*args, slot_rows=True)
     else:
         y = plan.fwd.combine_recv(*args)
-    res = _CombineRes(slot_rows, routing if y_perturbed else None, indices, weights,
-                      num_tokens, expert_y.dtype)
+    res = _CombineRes(*_named((slot_rows, routing if y_perturbed else None, indices, weights,
+                               num_tokens)), expert_y.dtype)
     return y, res
 
 

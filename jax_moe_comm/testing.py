@@ -383,7 +383,10 @@ def check_grads_against_oracle(a2a: AllToAll, mesh, inp: Inputs, G: np.ndarray, 
 
 # -- gradients of the MoE layer of moe.py ----------------------------------------------------
 def layer_stack(a2a, cfg, params_list, x, nt, drop, *, dense=False, remat=False):
-    """Layers applied in turn (each output the next input), through the all-to-all or dense."""
+    """Layers applied in turn (each output the next input), through the all-to-all or dense.
+    remat: False, True (jax.checkpoint: the backward recomputes each layer, all-to-alls
+    included) or "save_a2a" (a policy keeping the all-to-alls' outputs: none recomputed)."""
+    from .api import CHECKPOINT_NAME
     from .moe import dense_forward, moe_forward
 
     def one(p, h):
@@ -391,7 +394,12 @@ def layer_stack(a2a, cfg, params_list, x, nt, drop, *, dense=False, remat=False)
             return dense_forward(cfg, p, h, nt, drop)
         return moe_forward(a2a, cfg, p, h, nt, drop)
 
-    fn = jax.checkpoint(one) if remat else one
+    fn = one
+    if remat == "save_a2a":
+        policy = jax.checkpoint_policies.save_only_these_names(CHECKPOINT_NAME)
+        fn = jax.checkpoint(one, policy=policy)
+    elif remat:
+        fn = jax.checkpoint(one)
     for p in params_list:
         x = fn(p, x)
     return x
@@ -403,7 +411,7 @@ def layer_shardings(mesh, params_list):
     return [{k: P(axis) if k in ("w_in", "w_out") else P() for k in p} for p in params_list]
 
 
-def make_layer_grad_step(a2a: AllToAll, cfg, mesh, num_layers: int = 1, remat: bool = False):
+def make_layer_grad_step(a2a: AllToAll, cfg, mesh, num_layers: int = 1, remat=False):
     """jit(shard_map) of (params_list, x, num_tokens, G, drop) -> (grads_list, d x): every
     rank's gradient of sum_r <G_r, layers(x_r)>, taken per rank inside shard_map with the
     replicated parameters made varying (no psum): router and shared-expert gradients come out
@@ -512,7 +520,7 @@ def put_global(mesh, a, spec=None):
 
 
 def run_layer_grads(a2a: AllToAll, cfg, mesh, params_list, x, num_tokens, G, drop,
-                    remat: bool = False, step=None):
+                    remat=False, step=None):
     """make_layer_grad_step on numpy inputs ([EP, ...] per rank, params full) -> this
     process's blocks, as layer_grad_blocks gives them."""
     flat = lambda a: np.asarray(a).reshape((-1,) + np.asarray(a).shape[2:])  # noqa: E731

@@ -11,7 +11,8 @@ and against the dense layer computed on its own device. Cases:
   ops     d x, d weights of sum <G, combine(c_e * dispatch(x))>, fused and split, four routings
   layer   every gradient of the MoE layer (router, experts, shared expert, input) within bf16
           tolerance of the dense layer's; stacked layers under jax.checkpoint interleave the
-          forward recomputation with other layers' backward all-to-alls
+          forward recomputation with other layers' backward all-to-alls (or, with the
+          CHECKPOINT_NAME policy, recompute none)
   train   --steps Adam steps (replicated gradients summed by DispatchSum): the loss goes down,
           replicated parameters stay bit-identical on every rank
 Prints one `PASS name` / `FAIL name: why` line per case on rank 0 and exits non-zero if any
@@ -95,7 +96,8 @@ def layer_cases():
     out = [("plain", MoELayerConfig(**base), 0.0, 1, False),
            ("dropped-slots", MoELayerConfig(**base), 0.25, 1, False),
            ("fp8", MoELayerConfig(**{**base, "hidden": 256}, fp8_dispatch=True), 0.1, 1, False),
-           ("3-layers-remat", MoELayerConfig(**base), 0.1, 3, True)]
+           ("3-layers-remat", MoELayerConfig(**base), 0.1, 3, True),
+           ("3-layers-remat-saving-a2a", MoELayerConfig(**base), 0.1, 3, "save_a2a")]
     if WORLD % 2 == 0:  # parameter gradients only: d x is split between the DP partners
         out.append(("dp2", MoELayerConfig(**base, dp_size=2), 0.1, 1, False))
     return out

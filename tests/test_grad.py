@@ -238,6 +238,7 @@ LAYER_CASES = {
     "fp8-dp2-no-shared": (MoELayerConfig(**{**LAYER, "hidden": 256}, fp8_dispatch=True,
                                          dp_size=2, shared_expert=False), 0.1, 1, False),
     "2-layers-remat": (MoELayerConfig(**LAYER), 0.1, 2, True),
+    "2-layers-remat-saving-a2a": (MoELayerConfig(**LAYER), 0.1, 2, "save_a2a"),
 }
 
 
@@ -257,6 +258,95 @@ def test_layer_gradients_equal_dense(name):
     moe = T.run_layer_grads(a2a, cfg, mesh, params, x, nt, G, drop, remat)
     dense = T.dense_layer_grads(cfg, params, x, nt, G, drop)
     T.compare_layer_grads(*moe, *dense, range(world), cfg.num_experts // world, cfg.dp_size)
+
+
+def test_remat_policy_keeps_the_all_to_alls_out_of_the_recomputation():
+    """Under jax.checkpoint the backward recomputes a layer, all-to-alls included; those of
+    different layers are not ordered by data (one handle would then see two cycles at once).
+    Saving the outputs named CHECKPOINT_NAME recomputes none."""
+    cfg = MoELayerConfig(**LAYER)
+    world = 8
+    mesh = T.make_mesh(world)
+    a2a = AllToAll(cfg.comm_config(world), differentiable=True)
+    params = [init_params(cfg, s) for s in range(2)]
+    x, nt, G, drop = T.layer_grad_inputs(cfg, world, 3, 0.1)
+    specs = T.layer_shardings(mesh, params)
+    gp = [{k: _global(mesh, v) if specs[i][k] != P() else v for k, v in p.items()}
+          for i, p in enumerate(params)]
+    args = (gp, _global(mesh, _flat(x)), _global(mesh, nt), _global(mesh, _flat(G)),
+            _global(mesh, _flat(drop)))
+    count = {remat: str(jax.make_jaxpr(T.make_layer_grad_step(a2a, cfg, mesh, 2, remat))(
+        *args)).count("all_to_all") for remat in (False, True, "save_a2a")}
+    assert count["save_a2a"] == count[False] < count[True], count
+
+
+class MarkedBackend:
+    """The reference backend with a side-effecting FFI call in every send, as every nvshmem op
+    is one (for lowering only: the target does not exist)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    @staticmethod
+    def _mark(like):
+        from jax_moe_comm.backends.nvshmem import result_type
+
+        out = result_type(like, (1,), jnp.int32)
+        return jax.ffi.ffi_call("jmc_test_marker", out, has_side_effect=True)(like)
+
+    def dispatch_send(self, x, *args, **kwargs):
+        return self.inner.dispatch_send(x, *args, **kwargs), self._mark(x)
+
+    def dispatch_recv(self, state):
+        return self.inner.dispatch_recv(state[0])
+
+    def combine_send(self, expert_y, routing):
+        return self.inner.combine_send(expert_y, routing), self._mark(expert_y)
+
+    def combine_recv(self, state, *args, **kwargs):
+        return self.inner.combine_recv(state[0], *args, **kwargs)
+
+
+class MarkedAllToAll(AllToAll):
+    def _make_backend(self, config):
+        return MarkedBackend(super()._make_backend(config))
+
+
+def _count_ffi(jaxpr, target):
+    from jax._src import core
+
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == "ffi_call" and eqn.params.get("target_name") == target
+        n += sum(_count_ffi(sub, target) for sub in core.jaxprs_in_params(eqn.params))
+    return n
+
+
+def test_checkpoint_runs_side_effecting_all_to_alls_once():
+    """JAX refuses jax.checkpoint around side-effecting FFI calls (the nvshmem ops) unless
+    their effect is remat-allowed; then each runs once, in the forward pass, and is saved:
+    a rematerialised layer recomputes no all-to-all."""
+    assert autodiff.allow_remat_of_ffi_calls()  # what the nvshmem backend's creation does
+    cfg = MoELayerConfig(**LAYER)
+    world = 8
+    mesh = T.make_mesh(world)
+    a2a = MarkedAllToAll(cfg.comm_config(world), differentiable=True)
+    params = [init_params(cfg, s) for s in range(3)]
+    x, nt, G, drop = T.layer_grad_inputs(cfg, world, 3, 0.1)
+    specs = T.layer_shardings(mesh, params)
+    gp = [{k: _global(mesh, v) if specs[i][k] != P() else v for k, v in p.items()}
+          for i, p in enumerate(params)]
+    args = (gp, _global(mesh, _flat(x)), _global(mesh, nt), _global(mesh, _flat(G)),
+            _global(mesh, _flat(drop)))
+    count = {}
+    for remat in (False, True):
+        jaxpr = jax.make_jaxpr(T.make_layer_grad_step(a2a, cfg, mesh, 3, remat))(*args)
+        count[remat] = _count_ffi(jaxpr.jaxpr, "jmc_test_marker")
+    # 3 layers x (dispatch, combine) forward + (combine, dispatch) backward sends.
+    assert count[True] == count[False] == 12, count
 
 
 def test_layer_gradients_on_shuffled_rows_are_finite_and_equal_dense():
