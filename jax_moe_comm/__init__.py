@@ -3,14 +3,15 @@
 from .api import (AllToAll, DispatchOutput, PendingCombine, PendingDispatch, order_after,
                   resolve_backend)
 from .config import KernelTuning, MoEConfig
-from .errors import (InvalidRoutingError, MoECommError, NativeUnavailableError,
-                     PeerTimeoutError, ProtocolError)
+from .errors import (CorruptDataError, InvalidRoutingError, MoECommError,
+                     NativeUnavailableError, PeerAbortedError, PeerTimeoutError, ProtocolError)
 from .bootstrap import finalize, init
 
 __all__ = [
     "AllToAll", "DispatchOutput", "order_after", "PendingCombine", "PendingDispatch",
     "resolve_backend",
     "KernelTuning", "MoEConfig", "InvalidRoutingError", "MoECommError",
-    "NativeUnavailableError", "PeerTimeoutError", "ProtocolError", "init", "finalize",
+    "NativeUnavailableError", "PeerTimeoutError", "ProtocolError", "PeerAbortedError",
+    "CorruptDataError", "init", "finalize",
 ]
 __version__ = "0.1.0"

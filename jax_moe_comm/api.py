@@ -20,12 +20,15 @@ class DispatchOutput(NamedTuple):
     expert_x_scale: [L, max_recv, H/128] f32 for fp8 dispatch, else None.
     expert_num_tokens: [L] int32.
     routing: opaque pytree that combine needs (where each row came from).
+    expert_weights: [L, max_recv] f32 router weight of the slot that made each row (only when
+        dispatch_send was given weights), else None.
     """
 
     expert_x: jax.Array
     expert_x_scale: jax.Array | None
     expert_num_tokens: jax.Array
     routing: Any
+    expert_weights: jax.Array | None = None
 
 
 class PendingDispatch(NamedTuple):

@@ -123,8 +123,8 @@ class KernelTuning:
     def __post_init__(self):
         if self.num_blocks < 0:
             raise ValueError(f"num_blocks={self.num_blocks} must be >= 0 (0 = auto)")
-        if not 2 <= self.warps_per_block <= 32:
-            raise ValueError(f"warps_per_block={self.warps_per_block} must be in [2, 32]")
+        if not 2 <= self.warps_per_block <= 16:  # the kernels' __launch_bounds__: 512 threads
+            raise ValueError(f"warps_per_block={self.warps_per_block} must be in [2, 16]")
 
 
 KernelTuning.DEFAULT = KernelTuning()
