@@ -7,7 +7,8 @@
 set -uo pipefail
 STAGES=${STAGES:-suite protocol exit nocmdbuf sanitizer demo}
 OUT=${OUT:-$PWD/gpu_logs}
-mkdir -p "$OUT"
+export LOGS=$OUT/logs  # one file per stage; packed into $OUT/logs.tgz at the end
+mkdir -p "$LOGS"
 PY=${PYTHON:-python3}
 ROOT=$PWD
 export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1
@@ -27,53 +28,53 @@ run() {  # name, timeout, command...
   local name=$1 limit=$2; shift 2
   echo "== $name"
   local t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
   grep -E "PASS|FAIL|SUITE|TEST|Error|error:|max_err|rank [0-9]+ (after|reported|exits)|rank 0\] (config|result|R1|V2)" \
-    "$OUT/$name.log" | grep -v "JAX detected proxy" | head -60
+    "$LOGS/$name.log" | grep -v "JAX detected proxy" | head -60
   echo "-- $name rc=$rc in $(( $(date +%s) - t0 )) s"
-  [ $rc -eq 0 ] || { status=1; tail -25 "$OUT/$name.log"; }
+  [ $rc -eq 0 ] || { status=1; grep -v "grpc\|GRPC\|WatchTasks\|^\[rank [0-9]\] *$" "$LOGS/$name.log" | tail -25; }
 }
-launch() {  # n, timeout, command...
-  local n=$1 limit=$2; shift 2
-  $PY -m jax_moe_comm.launch -n "$n" --oversubscribe --timeout "$limit" -- "$@"
+launch() {  # n, timeout: the launcher's command line (run() needs a program, not a function)
+  echo "$PY -m jax_moe_comm.launch -n $1 --oversubscribe --timeout $2 --"
 }
 
 Q=""; [ -n "${QUICK:-}" ] && Q="--quick"
 if has suite; then
   for n in ${RANKS:-1 2 4 8}; do
-    run "gpu_suite_n$n" 400 launch "$n" 380 $PY "$ROOT/tests/gpu_worker.py" $Q --steps ${STEPS:-100}
+    run "gpu_suite_n$n" 400 $(launch "$n" 380) $PY "$ROOT/tests/gpu_worker.py" $Q --steps ${STEPS:-100}
   done
 fi
 if has protocol; then
   for n in ${PROTOCOL_RANKS:-4 2 8}; do
-    run "protocol_n$n" 500 launch "$n" 480 $PY "$ROOT/tests/gpu_protocol_worker.py" $Q
+    run "protocol_n$n" 500 $(launch "$n" 480) $PY "$ROOT/tests/gpu_protocol_worker.py" $Q
   done
 fi
 if has exit; then
-  run protocol_exit_n4 120 launch 4 100 $PY "$ROOT/tests/gpu_protocol_worker.py" --exit-test
+  run protocol_exit_n4 120 $(launch 4 100) $PY "$ROOT/tests/gpu_protocol_worker.py" --exit-test
 fi
 if has nocmdbuf; then  # command buffers (CUDA graphs) off: the same results
   XLA_FLAGS=--xla_gpu_enable_command_buffer= run gpu_suite_n2_nocmdbuf 300 \
-    launch 2 280 $PY "$ROOT/tests/gpu_worker.py" --quick --steps 10
+    $(launch 2 280) $PY "$ROOT/tests/gpu_worker.py" --quick --steps 10
   XLA_FLAGS=--xla_gpu_enable_command_buffer= run protocol_n2_nocmdbuf 300 \
-    launch 2 280 $PY "$ROOT/tests/gpu_protocol_worker.py" --quick
+    $(launch 2 280) $PY "$ROOT/tests/gpu_protocol_worker.py" --quick
 fi
 if has sanitizer; then  # out-of-bounds writes under compute-sanitizer (N=2, tiny shapes)
-  run sanitizer_n2 300 launch 2 280 compute-sanitizer --tool memcheck --print-limit 20 \
+  run sanitizer_n2 300 $(launch 2 280) compute-sanitizer --tool memcheck --print-limit 20 \
     $PY "$ROOT/tests/gpu_worker.py" --quick --steps 2
 fi
 for w in "$ROOT"/tests/gpu_*_worker.py; do  # workers of other features (grad, layout, ...)
   name=$(basename "$w" .py)
   case "$name" in gpu_protocol_worker) continue;; esac
   has "${name#gpu_}" || continue
-  for n in ${EXTRA_RANKS:-2 8}; do run "${name}_n$n" 400 launch "$n" 380 $PY "$w" $Q; done
+  for n in ${EXTRA_RANKS:-2 8}; do run "${name}_n$n" 400 $(launch "$n" 380) $PY "$w" $Q; done
 done
 if has demo; then
-  run demo_n8 300 launch 8 280 $PY -m jax_moe_comm.demo --steps 20
+  run demo_n8 300 $(launch 8 280) $PY -m jax_moe_comm.demo --steps 20
 fi
 if has bench; then
-  run bench_n8 590 launch 8 580 $PY "$ROOT/benchmarks/bench_all_to_all.py" --out "$OUT" ${BENCH_ARGS:-}
+  run bench_n8 590 $(launch 8 580) $PY "$ROOT/benchmarks/bench_all_to_all.py" --out "$OUT" ${BENCH_ARGS:-}
 fi
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 echo "== overall status $status"
 exit $status
