@@ -79,7 +79,7 @@ __device__ __forceinline__ int4 to_bf16x8(const float (&acc)[kElemsPerChunk]) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize)
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
     combine_recv_kernel(const CombineRecvParams p) {
   const CommonParams& c = p.c;
   const Shape& s = c.shape;

@@ -27,7 +27,7 @@
 namespace jmc {
 namespace {
 
-__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize)
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
     combine_send_kernel(const CombineSendParams p) {
   const CommonParams& c = p.c;
   const Shape& s = c.shape;

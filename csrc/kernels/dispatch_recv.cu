@@ -22,7 +22,7 @@
 namespace jmc {
 namespace {
 
-__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize)
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
     dispatch_recv_kernel(const DispatchRecvParams p) {
   const CommonParams& c = p.c;
   const Shape& s = c.shape;

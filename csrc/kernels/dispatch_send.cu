@@ -53,7 +53,7 @@ __device__ __forceinline__ void write_record(const DispatchSendParams& p, uint8_
   }
 }
 
-__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize)
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
     dispatch_send_kernel(const DispatchSendParams p) {
   const CommonParams& c = p.c;
   const Shape& s = c.shape;

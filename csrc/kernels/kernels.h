@@ -11,8 +11,11 @@
 
 namespace jmc {
 
-// Threads per block the kernels are compiled for (__launch_bounds__): 16 warps.
+// Threads per block the kernels are compiled for (__launch_bounds__): 16 warps, and at least
+// two such blocks per SM (<= 64 registers): with one block (the 70-80 registers they took
+// unbounded) too few warps are copying at large batches (DESIGN §11: (512, 2) does not spill).
 constexpr int kMaxWarpsPerBlock = 16;
+constexpr int kMinBlocksPerSm = 2;
 
 struct Launch {
   int num_blocks;
