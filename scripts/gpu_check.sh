@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build on the GPU machine and run the GPU suites (and optionally the benchmark) in one go.
-#   STAGES="suite protocol exit nocmdbuf sanitizer demo bench" bash scripts/gpu_check.sh
+#   STAGES="suite protocol protocol_full exit nocmdbuf sanitizer grad layout demo bench" \
+#     bash scripts/gpu_check.sh
 # Defaults: every stage but bench. RANKS (default "1 2 4 8") for the suites, QUICK=1 for the
 # short versions, BENCH_ARGS for the benchmark. Logs go to $OUT (or ./gpu_logs). Uses the
 # machine's python3 and its jax/nanobind/nvshmem.
@@ -49,6 +50,9 @@ if has protocol; then
   for n in ${PROTOCOL_RANKS:-4 2 8}; do
     run "protocol_n$n" 500 $(launch "$n" 480) $PY "$ROOT/tests/gpu_protocol_worker.py" $Q
   done
+fi
+if has protocol_full; then  # 200 cycles per DP layout and the 1000-cycle soak, 4 ranks
+  run protocol_n4_full 500 $(launch 4 480) $PY "$ROOT/tests/gpu_protocol_worker.py"
 fi
 if has exit; then
   run protocol_exit_n4 120 $(launch 4 100) $PY "$ROOT/tests/gpu_protocol_worker.py" --exit-test
