@@ -1,16 +1,18 @@
 """jax_moe_comm: expert-parallel MoE dispatch/combine for JAX (NVSHMEM kernels + reference)."""
 
+from . import distributed  # registers the launcher's variables with jax.distributed.initialize()
 from .api import (AllToAll, DispatchOutput, PendingCombine, PendingDispatch, order_after,
                   resolve_backend)
 from .config import KernelTuning, MoEConfig
 from .errors import (InvalidRoutingError, MoECommError, NativeUnavailableError,
-                     PeerTimeoutError, ProtocolError)
+                     PeerTimeoutError, ProtocolError, ReferenceFallbackWarning)
 from .bootstrap import finalize, init
 
 __all__ = [
     "AllToAll", "DispatchOutput", "order_after", "PendingCombine", "PendingDispatch",
     "resolve_backend",
     "KernelTuning", "MoEConfig", "InvalidRoutingError", "MoECommError",
-    "NativeUnavailableError", "PeerTimeoutError", "ProtocolError", "init", "finalize",
+    "NativeUnavailableError", "PeerTimeoutError", "ProtocolError", "ReferenceFallbackWarning",
+    "init", "finalize",
 ]
 __version__ = "0.1.0"
