@@ -15,9 +15,7 @@ import os
 import shutil
 
 from scikit_build_core import build as _skbuild
-from scikit_build_core.build import (build_sdist, get_requires_for_build_sdist,  # noqa: F401
-                                     prepare_metadata_for_build_editable,
-                                     prepare_metadata_for_build_wheel)
+from scikit_build_core.build import *  # noqa: F401,F403 - every hook this version has
 
 # What CMake needs from Python packages to build the CUDA module (CMakeLists.txt).
 CUDA_BUILD_REQUIRES = ["nvidia-nvshmem-cu13==3.4.5", "jax>=0.10.0,<0.12"]
@@ -56,8 +54,10 @@ def get_requires_for_build_wheel(config_settings=None):
     return _with_cuda(_skbuild.get_requires_for_build_wheel(config_settings), config_settings)
 
 
-def get_requires_for_build_editable(config_settings=None):
-    return _with_cuda(_skbuild.get_requires_for_build_editable(config_settings), config_settings)
+if hasattr(_skbuild, "get_requires_for_build_editable"):
+    def get_requires_for_build_editable(config_settings=None):
+        return _with_cuda(_skbuild.get_requires_for_build_editable(config_settings),
+                          config_settings)
 
 
 def _export_nvcc() -> None:
@@ -72,6 +72,7 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     return _skbuild.build_wheel(wheel_directory, config_settings, metadata_directory)
 
 
-def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
-    _export_nvcc()
-    return _skbuild.build_editable(wheel_directory, config_settings, metadata_directory)
+if hasattr(_skbuild, "build_editable"):
+    def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
+        _export_nvcc()
+        return _skbuild.build_editable(wheel_directory, config_settings, metadata_directory)
