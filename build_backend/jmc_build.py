@@ -17,8 +17,9 @@ import shutil
 from scikit_build_core import build as _skbuild
 from scikit_build_core.build import *  # noqa: F401,F403 - every hook this version has
 
-# What CMake needs from Python packages to build the CUDA module (CMakeLists.txt).
-CUDA_BUILD_REQUIRES = ["nvidia-nvshmem-cu13==3.4.5", "jax>=0.10.0,<0.12"]
+# What CMake needs from Python packages to build the CUDA module (CMakeLists.txt): the pinned
+# NVSHMEM, and the XLA FFI headers of the oldest jaxlib supported (newer ones load the module).
+CUDA_BUILD_REQUIRES = ["nvidia-nvshmem-cu13==3.4.5", "jax>=0.10.0,<0.11"]
 
 
 def find_nvcc() -> str | None:
