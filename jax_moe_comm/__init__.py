@@ -1,10 +1,12 @@
 """jax_moe_comm: expert-parallel MoE dispatch/combine for JAX (NVSHMEM kernels + reference)."""
 
+from . import distributed  # registers the launcher's variables with jax.distributed.initialize()
 from .api import (AllToAll, DispatchOutput, PendingCombine, PendingDispatch, order_after,
                   resolve_backend)
 from .config import KernelTuning, MoEConfig
 from .errors import (CorruptDataError, InvalidRoutingError, MoECommError,
-                     NativeUnavailableError, PeerAbortedError, PeerTimeoutError, ProtocolError)
+                     NativeUnavailableError, PeerAbortedError, PeerTimeoutError, ProtocolError,
+                     ReferenceFallbackWarning)
 from .bootstrap import finalize, init
 
 __all__ = [
@@ -12,6 +14,6 @@ __all__ = [
     "resolve_backend",
     "KernelTuning", "MoEConfig", "InvalidRoutingError", "MoECommError",
     "NativeUnavailableError", "PeerTimeoutError", "ProtocolError", "PeerAbortedError",
-    "CorruptDataError", "init", "finalize",
+    "CorruptDataError", "ReferenceFallbackWarning", "init", "finalize",
 ]
 __version__ = "0.1.0"

@@ -25,6 +25,26 @@ def _kv_client():
     return client
 
 
+def process_layout_problem(world_size: int | None = None) -> str:
+    """'' when this job has the nvshmem backend's process layout (one GPU per process, one
+    rank per process along the expert-parallel axis), else what is wrong and what to do."""
+    local = len(jax.local_devices())
+    if local != 1:
+        return (f"the nvshmem backend runs one process per GPU (one NVSHMEM PE each), but this "
+                f"process drives {local} devices (a single JAX process takes every GPU it sees). "
+                f"Launch one process per GPU: `python -m jax_moe_comm.launch -n {local} -- "
+                "python your_script.py` (it sets jax.distributed up; on SLURM: srun with one "
+                "task per GPU, then jax.distributed.initialize()), or pass backend='reference' "
+                "(XLA all_to_all, runs in this process layout).")
+    count = jax.process_count()
+    if world_size is not None and world_size != count:
+        return (f"the nvshmem backend makes one rank of every process: world_size={world_size} "
+                f"but jax.process_count()={count}. The expert-parallel axis must span all "
+                f"processes, one GPU each (MoEConfig.world_size={count}); or pass "
+                "backend='reference'.")
+    return ""
+
+
 def init() -> None:
     """Initialize NVSHMEM for this process (idempotent). Call after jax.distributed.initialize.
 
@@ -34,13 +54,10 @@ def init() -> None:
     mod = native.module()
     if mod.initialized():
         return
+    problem = process_layout_problem()
+    if problem:
+        raise NativeUnavailableError(problem)
     local = jax.local_devices()
-    if len(local) != 1:
-        raise NativeUnavailableError(
-            f"this process drives {len(local)} GPUs, but NVSHMEM needs one process per GPU. "
-            "Launch one process per GPU, e.g. `python -m jax_moe_comm.launch -n "
-            f"{len(local)} -- python your_script.py` (it sets jax.distributed up), or use "
-            "backend='reference'.")
     rank, nranks = jax.process_index(), jax.process_count()
     if nranks == 1:
         uid = mod.make_unique_id()

@@ -28,6 +28,9 @@ def _parse(argv):
     p.add_argument("--tokens", type=int, default=32, help="max tokens per rank")
     p.add_argument("--fp8", action="store_true", help="fp8 dispatch with block scales")
     p.add_argument("--no-shared", action="store_true", help="no shared expert")
+    p.add_argument("--layout", default="packed", choices=("packed", "padded"),
+                   help="expert layout: packed rows + ragged_dot (default), or the padded "
+                        "[L, max_recv, H] layout through a dense einsum")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -63,12 +66,14 @@ def main(argv=None) -> int:
                          shared_expert=not args.no_shared, fp8_dispatch=args.fp8)
     world = len(jax.devices())
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
-    a2a = AllToAll(cfg.comm_config(world), axis_name="ep", backend=args.backend)
+    a2a = AllToAll(cfg.comm_config(world), axis_name="ep", backend=args.backend,
+                   layout=args.layout)
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"jax_moe_comm demo: backend={a2a.backend_name} ranks={world} "
         f"platform={jax.default_backend()} E={cfg.num_experts} k={cfg.experts_per_token} "
         f"H={cfg.hidden} F={cfg.ffn} max_tokens/rank={cfg.max_num_tokens} "
-        f"dispatch={'fp8' if cfg.fp8_dispatch else 'bf16'} shared_expert={cfg.shared_expert}")
+        f"dispatch={'fp8' if cfg.fp8_dispatch else 'bf16'} shared_expert={cfg.shared_expert} "
+        f"layout={a2a.layout}")
 
     params = init_params(cfg, args.seed)
     ep, rep = NamedSharding(mesh, P("ep")), NamedSharding(mesh, P())

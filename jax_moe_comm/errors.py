@@ -29,3 +29,8 @@ class ProtocolError(MoECommError):
 
 class NativeUnavailableError(MoECommError):
     """The CUDA backend was asked for but cannot run here (not built, no GPU, wrong NVSHMEM)."""
+
+
+class ReferenceFallbackWarning(UserWarning):
+    """backend='auto' is on GPUs but cannot use the CUDA kernels, and took the (much slower)
+    reference backend; the message says why and how to get the CUDA path."""

@@ -50,10 +50,11 @@ class NvshmemBackend:
 
     def __init__(self, cfg: MoEConfig, axis_name, tuning: KernelTuning,
                  timeout_s: float = DEFAULT_TIMEOUT_S):
-        if jax.process_count() != cfg.world_size:
-            raise ValueError(f"the nvshmem backend runs one rank per process: world_size="
-                             f"{cfg.world_size} but jax.process_count()="
-                             f"{jax.process_count()}")
+        problem = bootstrap.process_layout_problem(cfg.world_size)
+        if problem:
+            from ..errors import NativeUnavailableError
+
+            raise NativeUnavailableError(problem)
         bootstrap.init()
         self.cfg = cfg
         self.axis_name = axis_name
