@@ -39,7 +39,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jax_moe_comm import AllToAll, MoEConfig, native, order_after, testing as T  # noqa: E402
+from jax_moe_comm import (AllToAll, KernelTuning, MoEConfig, native, order_after,  # noqa: E402
+                          testing as T)
 from jax_moe_comm.backends.nvshmem import DenseAllToAll  # noqa: E402
 
 CONFIGS = {"V2Lite": (64, 6, 2048), "R1": (256, 8, 7168)}
@@ -104,10 +105,13 @@ def stats(samples_us):
     return statistics.median(s), s[min(len(s) - 1, int(0.9 * len(s)))]
 
 
-def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int):
+def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_blocks: int = 0):
     cfg = case.moe()
-    a2a = AllToAll(cfg, backend="nvshmem")
+    a2a = AllToAll(cfg, backend="nvshmem", tuning=KernelTuning(num_blocks=num_blocks))
     backend = a2a.backend
+    if RANK == 0:
+        print(f"{case}: grids (blocks, warps) of the four kernels {backend.launch_shape()}",
+              flush=True)
     inp = T.make_inputs(cfg, seed=case.tokens * 31 + len(case.config), ragged=False)
     T.run_and_check(a2a, mesh, inp)  # correctness first
     args = T.global_inputs(cfg, mesh, inp)
@@ -203,10 +207,12 @@ def main() -> int:
     p.add_argument("--configs", default="V2Lite,R1")
     p.add_argument("--tokens", default="1,4,16,32,64,128")
     p.add_argument("--dtypes", default="fp8", help="comma list of fp8,bf16")
-    p.add_argument("--bf16-at", default="R1:128", help="extra bf16-dispatch cases CONFIG:T")
+    p.add_argument("--bf16-at", default="R1:128",
+                   help="extra bf16-dispatch cases CONFIG:T (comma list; 'none': no extra)")
     p.add_argument("--samples", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--matmul", type=int, default=2048, help="overlap matmul size (0: off)")
+    p.add_argument("--num-blocks", type=int, default=0, help="grid of every kernel (0: auto)")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     from jax_moe_comm import init
@@ -221,7 +227,7 @@ def main() -> int:
 
     cases = [Case(c, t, d) for c in args.configs.split(",") for d in args.dtypes.split(",")
              for t in map(int, args.tokens.split(","))]
-    for extra in filter(None, args.bf16_at.split(",")):
+    for extra in filter(lambda e: e and e != "none", args.bf16_at.split(",")):
         c, t = extra.split(":")
         if c in args.configs.split(",") and Case(c, int(t), "bf16") not in cases:
             cases.append(Case(c, int(t), "bf16"))
@@ -229,7 +235,8 @@ def main() -> int:
     rows, overlap_rows = [], []
     for case in cases:
         cfg, inp, ours = time_ours(case, mesh, args.samples, args.warmup, args.matmul
-                                   if (case.tokens == 128 and case.dtype == "fp8") else 0)
+                                   if (case.tokens == 128 and case.dtype == "fp8") else 0,
+                                   args.num_blocks)
         # Token-padded: each token once per rank ([max_m] rows a pair). Expert-padded: the
         # [L, max_m] block per pair that lands directly in the per-expert layout.
         dense_tok = time_dense(cfg, args.samples, args.warmup, mesh, cfg.max_num_tokens)

@@ -7,15 +7,13 @@
 #include <algorithm>
 #include <cstdlib>
 #include <map>
-#include <memory>
-#include <mutex>
 
 namespace jmc {
 namespace {
 
-std::mutex g_mutex;
-std::map<int64_t, std::unique_ptr<Handle>> g_handles;
-std::map<int64_t, std::unique_ptr<DenseHandle>> g_dense;
+std::mutex g_mutex;  // guards the maps and the id counter
+std::map<int64_t, std::shared_ptr<Handle>> g_handles;
+std::map<int64_t, std::shared_ptr<DenseHandle>> g_dense;
 int64_t g_next_id = 1;  // per-process counter: same sequence on every process
 
 std::string cuda_failure(cudaError_t err, const char* what) {
@@ -23,25 +21,71 @@ std::string cuda_failure(cudaError_t err, const char* what) {
          cudaGetErrorString(err) + ")";
 }
 
-// One full wave on the SMs this process may use: the device's SM count, scaled by the MPS
-// share when several processes split the GPU (the attribute still reports every SM under MPS),
-// times the blocks that fit on an SM. More blocks only queue behind spinning ones; fewer leave
-// too few warps copying (measured: 16 blocks of 16 warps made R1 T=128 1.5x slower).
-int default_num_blocks(int warps_per_block) {
-  int device = 0, sms = 0, threads_per_sm = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 16;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+// SMs this process may use: the device's count scaled by its MPS share (the attribute still
+// reports every SM under MPS, docs/notes.md).
+int usable_sms() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
       sms <= 0)
     return 16;
-  if (cudaDeviceGetAttribute(&threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, device) !=
-      cudaSuccess)
-    threads_per_sm = 2048;
-  const int blocks_per_sm = std::max(1, threads_per_sm / (warps_per_block * 32));
   if (const char* pct = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")) {
     const int share = std::atoi(pct);
     if (share > 0 && share < 100) sms = std::max(1, (sms * share + 99) / 100);
   }
-  return sms * blocks_per_sm;
+  return sms;
+}
+
+// One kernel's grid: at most one full wave of the SM share (its blocks spin on peers, so a
+// second wave would only queue), and no more warps than the kernel has work items for.
+Launch launch_for(const Shape& s, KernelId kernel, Launch tuning) {
+  const int wpb = tuning.warps_per_block;
+  if (tuning.num_blocks > 0) return Launch{tuning.num_blocks, wpb};
+  const int wave = usable_sms() * std::max(1, blocks_per_sm(s, kernel, wpb));
+  const int chunks = s.hidden / 8;
+  int64_t items = 0;  // the most warps the kernel can keep busy
+  switch (kernel) {
+    case kDispatchSendKernel:
+    case kDispatchRecvKernel: items = int64_t{s.max_num_tokens} * s.num_dp_groups(); break;
+    case kCombineSendKernel: items = s.max_recv_rows(); break;
+    case kCombineRecvKernel: items = int64_t{s.max_num_tokens} * ((chunks + 31) / 32); break;
+  }
+  const int64_t needed = (items + wpb - 1) / wpb;
+  return Launch{static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wave, needed))), wpb};
+}
+
+// Local (non-collective) allocations; "" or what failed.
+std::string allocate_local(Handle* h) {
+  const Shape& s = h->shape;
+  const size_t G = s.num_dp_groups(), L = s.num_local_experts();
+  const size_t bytes = sizeof(DeviceState) + sizeof(uint32_t) * (G + L);
+  cudaError_t err = cudaMalloc(&h->scratch_memory, bytes);
+  if (err != cudaSuccess) return cuda_failure(err, "cudaMalloc(scratch)");
+  err = cudaMemset(h->scratch_memory, 0, bytes);
+  if (err != cudaSuccess) return cuda_failure(err, "cudaMemset(scratch)");
+  auto* state = static_cast<DeviceState*>(h->scratch_memory);
+  auto* words = reinterpret_cast<uint32_t*>(state + 1);
+  h->scratch = LocalScratch{state, words, words + G};
+  err = cudaMalloc(&h->timings, kTimingSlots * sizeof(uint64_t));
+  if (err != cudaSuccess) return cuda_failure(err, "cudaMalloc(timings)");
+  err = cudaMemset(h->timings, 0, kTimingSlots * sizeof(uint64_t));
+  if (err != cudaSuccess) return cuda_failure(err, "cudaMemset(timings)");
+  err = cudaHostAlloc(reinterpret_cast<void**>(&h->error_host), sizeof(ErrorRecord),
+                      cudaHostAllocMapped);
+  if (err != cudaSuccess) return cuda_failure(err, "cudaHostAlloc(error record)");
+  *h->error_host = ErrorRecord{};
+  err = cudaHostGetDevicePointer(reinterpret_cast<void**>(&h->error_device), h->error_host, 0);
+  if (err != cudaSuccess) return cuda_failure(err, "cudaHostGetDevicePointer(error record)");
+  return "";
+}
+
+void free_local(Handle* h) {
+  if (h->scratch_memory) cudaFree(h->scratch_memory);
+  if (h->timings) cudaFree(h->timings);
+  if (h->error_host) cudaFreeHost(h->error_host);
+  h->scratch_memory = nullptr;
+  h->timings = nullptr;
+  h->error_host = nullptr;
 }
 
 }  // namespace
@@ -60,89 +104,90 @@ std::string validate_shape(const Shape& s) {
   const int64_t sources = static_cast<int64_t>(s.num_dp_groups()) * s.max_num_tokens *
                           s.experts_per_token;
   if (sources >= (int64_t{1} << 31)) return "num_dp_groups * max_num_tokens * k overflows int32";
+  // Shared-memory prefixes: [G + 1] in dispatch_recv, [L + 1] in combine_send.
+  if (s.num_dp_groups() > 8192 || s.num_local_experts() > 8192)
+    return "num_dp_groups and num_experts / world_size must be <= 8192";
   return "";
 }
 
-std::string create_handle(const Shape& shape, Launch launch, uint64_t timeout_ns,
+std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns, bool staged,
                           int64_t* id_out) {
+  *id_out = 0;
   const std::string bad = validate_shape(shape);
   if (!bad.empty()) return bad;
+  if (tuning.warps_per_block < 2 || tuning.warps_per_block > kMaxWarpsPerBlock)
+    return "warps_per_block must be in [2, " + std::to_string(kMaxWarpsPerBlock) + "]";
   if (nvshmemx_init_status() < NVSHMEM_STATUS_IS_INITIALIZED)
     return "NVSHMEM is not initialized: call jax_moe_comm.init() first";
   if (nvshmem_n_pes() != shape.world_size)
     return "world_size=" + std::to_string(shape.world_size) + " but NVSHMEM has " +
            std::to_string(nvshmem_n_pes()) + " PEs";
 
-  auto h = std::make_unique<Handle>();
+  // From here on every rank reaches the collective allocation and the barrier.
+  auto h = std::make_shared<Handle>();
   h->shape = shape;
   h->rank = nvshmem_my_pe();
-  h->launch = launch;
-  if (h->launch.warps_per_block < 2 || h->launch.warps_per_block > 32)
-    return "warps_per_block must be in [2, 32]";
-  if (h->launch.num_blocks <= 0) h->launch.num_blocks = default_num_blocks(h->launch.warps_per_block);
   h->timeout_ns = timeout_ns;
+  h->staged = staged;
+  for (int kernel = 0; kernel < kNumKernels; ++kernel)
+    h->launch[kernel] = launch_for(shape, static_cast<KernelId>(kernel), tuning);
+  std::string error = allocate_local(h.get());  // local first: nothing collective can fail on it
 
   size_t bytes = 0;
-  SymmetricLayout::carve(shape, nullptr, &bytes);
+  SymmetricLayout::carve(shape, staged, nullptr, &bytes);
   h->symmetric = nvshmem_malloc(bytes);  // collective
-  if (h->symmetric == nullptr)
-    return "nvshmem_malloc of " + std::to_string(bytes) +
-           " bytes failed (raise NVSHMEM_SYMMETRIC_SIZE)";
-  h->symmetric_bytes = bytes;
-  h->sym = SymmetricLayout::carve(shape, h->symmetric, &bytes);
-  cudaError_t err = cudaMemset(h->symmetric, 0, h->sym.flag_bytes());
-  if (err != cudaSuccess) return cuda_failure(err, "cudaMemset(symmetric flags)");
-
-  const size_t L = shape.num_local_experts();
-  const size_t scratch_words = shape.world_size + L + 4;
-  err = cudaMalloc(&h->scratch_memory, scratch_words * sizeof(uint32_t));
-  if (err != cudaSuccess) return cuda_failure(err, "cudaMalloc(scratch)");
-  err = cudaMemset(h->scratch_memory, 0, scratch_words * sizeof(uint32_t));
-  if (err != cudaSuccess) return cuda_failure(err, "cudaMemset(scratch)");
-  auto* words = static_cast<uint32_t*>(h->scratch_memory);
-  h->scratch = LocalScratch{words, words + shape.world_size, words + shape.world_size + L};
-
-  err = cudaMalloc(&h->timings, kTimingSlots * sizeof(uint64_t));
-  if (err != cudaSuccess) return cuda_failure(err, "cudaMalloc(timings)");
-  err = cudaHostAlloc(reinterpret_cast<void**>(&h->error_host), sizeof(ErrorRecord),
-                      cudaHostAllocMapped);
-  if (err != cudaSuccess) return cuda_failure(err, "cudaHostAlloc(error record)");
-  *h->error_host = ErrorRecord{};
-  err = cudaHostGetDevicePointer(reinterpret_cast<void**>(&h->error_device), h->error_host, 0);
-  if (err != cudaSuccess) return cuda_failure(err, "cudaHostGetDevicePointer(error record)");
-  err = cudaDeviceSynchronize();
-  if (err != cudaSuccess) return cuda_failure(err, "cudaDeviceSynchronize");
+  if (h->symmetric == nullptr && error.empty())
+    error = "nvshmem_malloc of " + std::to_string(bytes) +
+            " bytes failed (raise NVSHMEM_SYMMETRIC_SIZE)";
+  if (h->symmetric != nullptr) {
+    h->symmetric_bytes = bytes;
+    h->sym = SymmetricLayout::carve(shape, staged, h->symmetric, &bytes);
+    const cudaError_t err = cudaMemset(h->symmetric, 0, h->sym.flag_bytes());
+    if (err != cudaSuccess && error.empty()) error = cuda_failure(err, "cudaMemset(flags)");
+  }
+  const cudaError_t err = cudaDeviceSynchronize();
+  if (err != cudaSuccess && error.empty()) error = cuda_failure(err, "cudaDeviceSynchronize");
   nvshmem_barrier_all();  // every rank's flags are zero before anyone signals
 
+  h->create_error = error;
   std::lock_guard<std::mutex> lock(g_mutex);
   h->id = g_next_id++;
   *id_out = h->id;
   g_handles[h->id] = std::move(h);
-  return "";
+  return error;
 }
 
 std::string destroy_handle(int64_t id) {
-  std::unique_ptr<Handle> h;
+  std::shared_ptr<Handle> h;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_handles.find(id);
     if (it == g_handles.end()) return "no handle with id " + std::to_string(id);
-    h = std::move(it->second);
+    h = it->second;
     g_handles.erase(it);
   }
+  std::lock_guard<std::mutex> lock(h->mutex);  // no handler is mid-call
+  h->closed = true;
   cudaDeviceSynchronize();
   nvshmem_barrier_all();  // nobody still writes into our buffers
-  nvshmem_free(h->symmetric);
-  cudaFree(h->scratch_memory);
-  cudaFree(h->timings);
-  cudaFreeHost(h->error_host);
+  if (h->symmetric) nvshmem_free(h->symmetric);
+  h->symmetric = nullptr;
+  free_local(h.get());
   return "";
+}
+
+bool probe_peers_p2p() {
+  void* probe = nvshmem_malloc(128);  // collective
+  bool all = probe != nullptr;
+  for (int pe = 0; all && pe < nvshmem_n_pes(); ++pe) all = nvshmem_ptr(probe, pe) != nullptr;
+  if (probe) nvshmem_free(probe);
+  return all;
 }
 
 std::string create_dense_handle(int world_size, size_t chunk_bytes, int64_t* id_out) {
   if (nvshmemx_init_status() < NVSHMEM_STATUS_IS_INITIALIZED)
     return "NVSHMEM is not initialized: call jax_moe_comm.init() first";
-  auto h = std::make_unique<DenseHandle>();
+  auto h = std::make_shared<DenseHandle>();
   h->world_size = world_size;
   h->chunk_bytes = chunk_bytes;
   h->src = nvshmem_malloc(world_size * chunk_bytes);
@@ -158,12 +203,12 @@ std::string create_dense_handle(int world_size, size_t chunk_bytes, int64_t* id_
 }
 
 std::string destroy_dense_handle(int64_t id) {
-  std::unique_ptr<DenseHandle> h;
+  std::shared_ptr<DenseHandle> h;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_dense.find(id);
     if (it == g_dense.end()) return "no dense handle with id " + std::to_string(id);
-    h = std::move(it->second);
+    h = it->second;
     g_dense.erase(it);
   }
   cudaDeviceSynchronize();
@@ -174,43 +219,89 @@ std::string destroy_dense_handle(int64_t id) {
   return "";
 }
 
-Handle* find_handle(int64_t id) {
+std::shared_ptr<Handle> find_handle(int64_t id) {
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_handles.find(id);
-  return it == g_handles.end() ? nullptr : it->second.get();
+  return it == g_handles.end() ? nullptr : it->second;
 }
 
-DenseHandle* find_dense_handle(int64_t id) {
+std::shared_ptr<DenseHandle> find_dense_handle(int64_t id) {
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_dense.find(id);
-  return it == g_dense.end() ? nullptr : it->second.get();
+  return it == g_dense.end() ? nullptr : it->second;
 }
 
-std::string describe_error(const ErrorRecord& rec) {
+namespace {
+
+const char* phase_name(uint32_t phase) {
   static const char* kPhases[] = {"?", "dispatch_send", "dispatch_recv", "combine_send",
                                   "combine_recv", "barrier"};
-  const char* phase = rec.phase < 6 ? kPhases[rec.phase] : "?";
-  const std::string where = std::string(" in ") + phase;
+  return phase < 6 ? kPhases[phase] : "?";
+}
+
+const char* what_name(uint32_t what) {
+  static const char* kWhat[] = {"",
+                                "its acknowledgement of the previous cycle",
+                                "its record count",
+                                "a token record",
+                                "an expert row",
+                                "the cycle number",
+                                "expert_num_tokens"};
+  return what < 7 ? kWhat[what] : "?";
+}
+
+const char* code_name(uint32_t code) {
+  static const char* kCodes[] = {"Ok", "PeerTimeout", "InvalidRouting", "InvalidRouting",
+                                 "CorruptData", "PeerAborted"};
+  return code < 6 ? kCodes[code] : "Unknown";
+}
+
+}  // namespace
+
+std::string describe_error(const ErrorRecord& rec, int rank) {
+  const std::string where = std::string("rank ") + std::to_string(rank) + " in " +
+                            phase_name(rec.phase) + ": ";
+  const std::string peer = "rank " + std::to_string(rec.peer);
   switch (rec.code) {
     case kOk:
       return "";
     case kPeerTimeout:
-      return "PeerTimeout:" + where + ": waited for " +
-             (rec.peer >= 0 ? "rank " + std::to_string(rec.peer)
-                            : "the rows of token " + std::to_string(rec.token)) +
+      return "PeerTimeout: " + where + "waited for " +
+             (rec.peer >= 0 ? peer + " (" + what_name(rec.what) + ")"
+                            : "the expert rows of token " + std::to_string(rec.token)) +
              ", expected >= " + std::to_string(rec.expected) + ", saw " +
              std::to_string(rec.seen) + " when the timeout passed";
     case kBadExpertIndex:
-      return "InvalidRouting:" + where + ": token " + std::to_string(rec.token) +
+      return "InvalidRouting: " + where + "token " + std::to_string(rec.token) +
              " has expert index " + std::to_string(static_cast<int64_t>(rec.seen)) +
              " outside [-1, " + std::to_string(rec.expected) + ")";
     case kBadNumTokens:
-      return "InvalidRouting:" + where + ": num_tokens=" +
+      return "InvalidRouting: " + where + "num_tokens=" +
              std::to_string(static_cast<int64_t>(rec.seen)) + " outside [0, " +
              std::to_string(rec.expected) + "]";
+    case kCorruptData:
+      return "CorruptData: " + where + what_name(rec.what) +
+             (rec.peer >= 0 ? " from " + peer : std::string()) + " is out of range: " +
+             std::to_string(static_cast<int64_t>(rec.seen)) + " (bound " +
+             std::to_string(rec.expected) + "); it was dropped";
+    case kPeerAborted:
+      return "PeerAborted: " + where + peer + " reported " + code_name(rec.expected) +
+             " first, so this rank stopped waiting (see rank " + std::to_string(rec.peer) +
+             "'s error)";
     default:
-      return "Unknown: error code " + std::to_string(rec.code) + where;
+      return "Unknown: " + where + "error code " + std::to_string(rec.code);
   }
+}
+
+std::string describe_abort(const Handle& h) {
+  if (h.symmetric == nullptr) return "";
+  uint64_t word = 0;
+  if (cudaMemcpy(&word, h.sym.abort_word, sizeof(word), cudaMemcpyDeviceToHost) != cudaSuccess)
+    return "";
+  if (word == 0) return "";
+  return "PeerAborted: rank " + std::to_string(h.rank) + ": rank " +
+         std::to_string(abort_rank(word)) + " reported " + code_name(abort_code(word)) +
+         " on this handle (see rank " + std::to_string(abort_rank(word)) + "'s error)";
 }
 
 }  // namespace jmc

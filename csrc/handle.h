@@ -1,8 +1,11 @@
-// Persistent all-to-all handles: symmetric buffers, scratch, error record and protocol stage,
-// owned outside XLA and looked up by the stable integer id baked into the HLO.
+// Persistent all-to-all handles: symmetric buffers, device state, error record and the host
+// side of the protocol (which half is in flight), owned outside XLA and looked up by the
+// stable integer id baked into the HLO.
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <string>
 
 #include "core/error_record.h"
@@ -11,36 +14,38 @@
 
 namespace jmc {
 
-// Where a handle is in the dispatch -> combine cycle; checked by every handler, so a recv
-// without its send, or two sends in flight, is an error instead of silent corruption.
-enum class Stage { kIdle, kDispatchSent, kDispatchReceived, kCombineSent };
+constexpr int kTimingSlots = 2 * kNumKernels;
 
 struct Handle {
   int64_t id = 0;
   Shape shape{};
   int rank = 0;
-  Launch launch{};
+  Launch launch[kNumKernels]{};
   uint64_t timeout_ns = 0;
+  bool staged = false;        // some peer is not reachable by load/store
   void* symmetric = nullptr;  // one nvshmem_malloc
   size_t symmetric_bytes = 0;
   SymmetricLayout sym{};
-  void* scratch_memory = nullptr;  // cudaMalloc, zero between calls
+  void* scratch_memory = nullptr;  // cudaMalloc: DeviceState + send_count + expert_fill
   LocalScratch scratch{};
   ErrorRecord* error_host = nullptr;    // pinned, mapped
   ErrorRecord* error_device = nullptr;  // device view of the same memory
-  Stage stage = Stage::kIdle;
+  uint64_t* timings = nullptr;          // device, kTimingSlots
+  std::string create_error;             // non-empty: this rank failed to create it
+
+  // Guarded by `mutex`, which a handler holds for its whole call (check, launch, commit).
+  std::mutex mutex;
+  bool closed = false;
+  bool dispatch_in_flight = false;  // dispatch_send launched, dispatch_recv not yet
+  bool combine_in_flight = false;   // combine_send launched, combine_recv not yet
   uint64_t barrier_epoch = 0;
-  // Benchmarks only: when on, each handler brackets its kernel with %globaltimer stamps into
-  // timings[2 * phase] (start) and timings[2 * phase + 1] (end), phases 0..3 in cycle order.
-  bool timing = false;
-  uint64_t* timings = nullptr;  // device, kTimingSlots
+  bool timing = false;  // benchmarks: the kernels write %globaltimer stamps into `timings`
 
   CommonParams common() const {
-    return CommonParams{shape, sym, scratch, error_device, rank, timeout_ns};
+    return CommonParams{shape, sym, scratch, error_device, timing ? timings : nullptr, rank,
+                        timeout_ns};
   }
 };
-
-constexpr int kTimingSlots = 8;
 
 // Dense all-to-all baseline: two symmetric buffers of world * chunk bytes.
 struct DenseHandle {
@@ -54,17 +59,27 @@ struct DenseHandle {
 
 // All of these run on the host, outside any FFI execute (nvshmem_malloc is collective).
 // They return an empty string on success, else what went wrong.
-std::string create_handle(const Shape& shape, Launch launch, uint64_t timeout_ns,
+//
+// create_handle: a shape error is returned before anything collective (every rank sees the
+// same shape: the Python side checks that through the key-value store). Past that point every
+// rank takes part in the collective allocation and barrier whatever happens locally, and the
+// handle is registered (*id_out) even when this rank's part failed, so that every rank can
+// then destroy it collectively.
+std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns, bool staged,
                           int64_t* id_out);
 std::string destroy_handle(int64_t id);
 std::string create_dense_handle(int world_size, size_t chunk_bytes, int64_t* id_out);
 std::string destroy_dense_handle(int64_t id);
+// Collective: whether every peer's symmetric memory is reachable by load/store from here.
+bool probe_peers_p2p();
 
-Handle* find_handle(int64_t id);
-DenseHandle* find_dense_handle(int64_t id);
+std::shared_ptr<Handle> find_handle(int64_t id);
+std::shared_ptr<DenseHandle> find_dense_handle(int64_t id);
 
 // "" if the handle's kernels recorded no error, else a message naming the error kind first.
-std::string describe_error(const ErrorRecord& rec);
+std::string describe_error(const ErrorRecord& rec, int rank);
+// The abort word of the handle (device read: synchronizes), described; "" when clear.
+std::string describe_abort(const Handle& h);
 // Checks a shape the same way the Python config does.
 std::string validate_shape(const Shape& s);
 

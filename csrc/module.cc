@@ -5,6 +5,8 @@
 #include <nanobind/stl/vector.h>
 #include <nvshmem.h>
 
+#include <mutex>
+#include <tuple>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -30,6 +32,12 @@ std::vector<uint64_t> read_u64(const uint64_t* device, int n) {
   if (err != cudaSuccess)
     throw std::runtime_error(std::string("cudaMemcpy(timings): ") + cudaGetErrorString(err));
   return out;
+}
+
+std::shared_ptr<jmc::Handle> handle(int64_t id) {
+  auto h = jmc::find_handle(id);
+  if (h == nullptr) throw std::runtime_error("no all-to-all handle " + std::to_string(id));
+  return h;
 }
 
 template <typename Fn>
@@ -60,6 +68,14 @@ NB_MODULE(_native, m) {
   m.def("my_pe", &jmc::my_pe);
   m.def("n_pes", &jmc::n_pes);
   m.def("init_status", &jmc::init_status);
+  // (free, total) bytes of this process's GPU (cudaMemGetInfo): leak checks in the GPU tests.
+  m.def("device_memory", [] {
+    size_t free = 0, total = 0;
+    const cudaError_t err = cudaMemGetInfo(&free, &total);
+    if (err != cudaSuccess)
+      throw std::runtime_error(std::string("cudaMemGetInfo: ") + cudaGetErrorString(err));
+    return std::make_tuple(free, total);
+  });
   m.def("synchronize", [] {
     const cudaError_t err = cudaDeviceSynchronize();
     if (err != cudaSuccess)
@@ -69,40 +85,58 @@ NB_MODULE(_native, m) {
   m.def(
       "create_handle",
       [](int num_experts, int k, int hidden, int max_m, int world, int dp, int in_bytes,
-         int num_scales, int out_bytes, uint64_t timeout_ns, int num_blocks, int warps) {
+         int num_scales, int out_bytes, uint64_t timeout_ns, int num_blocks, int warps,
+         bool staged) {
         jmc::Shape s{num_experts, k, hidden, max_m, world, dp, in_bytes, num_scales, out_bytes};
         int64_t id = 0;
-        raise_if(jmc::create_handle(s, jmc::Launch{num_blocks, warps}, timeout_ns, &id));
-        return id;
+        // (id, "") on success; (id, why) when this rank's part failed after the collective
+        // step (the caller destroys it on every rank); (0, why) for a bad shape.
+        std::string error =
+            jmc::create_handle(s, jmc::Launch{num_blocks, warps}, timeout_ns, staged, &id);
+        return std::make_tuple(id, error);
       },
       nb::arg("num_experts"), nb::arg("k"), nb::arg("hidden"), nb::arg("max_m"),
       nb::arg("world"), nb::arg("dp"), nb::arg("in_bytes"), nb::arg("num_scales"),
-      nb::arg("out_bytes"), nb::arg("timeout_ns"), nb::arg("num_blocks"), nb::arg("warps"));
+      nb::arg("out_bytes"), nb::arg("timeout_ns"), nb::arg("num_blocks"), nb::arg("warps"),
+      nb::arg("staged"));
   m.def("destroy_handle", [](int64_t id) { raise_if(jmc::destroy_handle(id)); });
-  m.def("symmetric_bytes", [](int64_t id) {
-    jmc::Handle* h = jmc::find_handle(id);
-    if (h == nullptr) throw std::runtime_error("no handle " + std::to_string(id));
-    return h->symmetric_bytes;
+  m.def("probe_peers_p2p", [] {
+    if (!jmc::initialized()) throw std::runtime_error("NVSHMEM is not initialized");
+    return jmc::probe_peers_p2p();
+  });
+  m.def("symmetric_bytes", [](int64_t id) { return handle(id)->symmetric_bytes; });
+  // Grid of each kernel: [(blocks, warps per block)] in dispatch_send .. combine_recv order.
+  m.def("launch_shape", [](int64_t id) {
+    auto h = handle(id);
+    std::vector<std::tuple<int, int>> out;
+    for (const jmc::Launch& l : h->launch) out.emplace_back(l.num_blocks, l.warps_per_block);
+    return out;
   });
   // The first recorded kernel error ("" if none). Reads pinned memory: no device sync.
   m.def("handle_error", [](int64_t id) {
-    jmc::Handle* h = jmc::find_handle(id);
-    if (h == nullptr) throw std::runtime_error("no handle " + std::to_string(id));
-    return jmc::describe_error(*h->error_host);
+    auto h = handle(id);
+    return jmc::describe_error(*h->error_host, h->rank);
+  });
+  // Synchronizes, then the recorded error, else the abort word a peer set ("" if neither).
+  m.def("check_handle", [](int64_t id) {
+    auto h = handle(id);
+    const cudaError_t err = cudaDeviceSynchronize();
+    if (err != cudaSuccess)
+      throw std::runtime_error(std::string("cudaDeviceSynchronize: ") + cudaGetErrorString(err));
+    std::string recorded = jmc::describe_error(*h->error_host, h->rank);
+    return recorded.empty() ? jmc::describe_abort(*h) : recorded;
   });
   m.def("set_timing", [](int64_t id, bool on) {
-    jmc::Handle* h = jmc::find_handle(id);
-    if (h == nullptr) throw std::runtime_error("no handle " + std::to_string(id));
+    auto h = handle(id);
+    std::lock_guard<std::mutex> lock(h->mutex);
     h->timing = on;
   });
   // Copies the timing slots to the host (synchronizes the device): ns of %globaltimer.
   m.def("read_timings", [](int64_t id) {
-    jmc::Handle* h = jmc::find_handle(id);
-    if (h == nullptr) throw std::runtime_error("no handle " + std::to_string(id));
-    return read_u64(h->timings, jmc::kTimingSlots);
+    return read_u64(handle(id)->timings, jmc::kTimingSlots);
   });
   m.def("read_dense_timings", [](int64_t id) {
-    jmc::DenseHandle* h = jmc::find_dense_handle(id);
+    auto h = jmc::find_dense_handle(id);
     if (h == nullptr) throw std::runtime_error("no dense handle " + std::to_string(id));
     return read_u64(h->timings, 2);
   });

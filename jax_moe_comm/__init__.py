@@ -1,16 +1,19 @@
 """jax_moe_comm: expert-parallel MoE dispatch/combine for JAX (NVSHMEM kernels + reference)."""
 
+from . import distributed  # registers the launcher's variables with jax.distributed.initialize()
 from .api import (CHECKPOINT_NAME, AllToAll, DispatchOutput, PendingCombine, PendingDispatch,
                   order_after, resolve_backend)
 from .config import KernelTuning, MoEConfig
-from .errors import (InvalidRoutingError, MoECommError, NativeUnavailableError,
-                     PeerTimeoutError, ProtocolError)
+from .errors import (CorruptDataError, InvalidRoutingError, MoECommError,
+                     NativeUnavailableError, PeerAbortedError, PeerTimeoutError, ProtocolError,
+                     ReferenceFallbackWarning)
 from .bootstrap import finalize, init
 
 __all__ = [
     "AllToAll", "CHECKPOINT_NAME", "DispatchOutput", "order_after", "PendingCombine",
     "PendingDispatch", "resolve_backend",
     "KernelTuning", "MoEConfig", "InvalidRoutingError", "MoECommError",
-    "NativeUnavailableError", "PeerTimeoutError", "ProtocolError", "init", "finalize",
+    "NativeUnavailableError", "PeerTimeoutError", "ProtocolError", "PeerAbortedError",
+    "CorruptDataError", "ReferenceFallbackWarning", "init", "finalize",
 ]
 __version__ = "0.1.0"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -12,9 +13,14 @@ from . import autodiff as ad
 from . import quant
 from . import routing as rt
 from .config import KernelTuning, MoEConfig
-from .errors import NativeUnavailableError, ProtocolError
+from .errors import NativeUnavailableError, ProtocolError, ReferenceFallbackWarning
 
 BACKENDS = ("auto", "reference", "nvshmem")
+# "padded": expert_x [L, max_recv, H], each local expert's rows padded to the worst case, for
+# grouped-GEMM kernels that take a batch of equal-size groups. "packed": expert_x
+# [max_recv_total, H] with the rows of local expert 0, then 1, ... contiguous (group_sizes
+# [L] says how many), for jax.lax.ragged_dot.
+LAYOUTS = ("padded", "packed")
 
 # Every output of dispatch_recv and combine_recv (and what their gradient rules save) carries
 # this jax.checkpoint name, so that a remat policy can keep them and never recompute an
@@ -25,17 +31,29 @@ _named = ad._named
 
 
 class DispatchOutput(NamedTuple):
-    """What dispatch lays out per local expert, per rank.
+    """What dispatch gives each rank, in the handle's layout.
 
-    expert_x: [L, max_recv, H] dispatch dtype (bf16 when an fp8 handle was given bf16 x: the
-      dequantised rows); rows >= expert_num_tokens[e] are undefined, except zero on a
-      differentiable handle, on the reference backend and when dequantised.
-    expert_x_scale: [L, max_recv, H/128] f32 for fp8 dispatch of fp8 x, else None.
-    expert_num_tokens: [L] int32.
-    routing: opaque pytree that combine needs (where each row came from).
-    expert_weights: [L, max_recv] f32, the router weight of the slot that produced each row
-      (repeated experts merged; zero past the counts), when dispatch was given weights; it
+    layout="padded" (default):
+      expert_x: [L, max_recv, H] dispatch dtype (bf16 when an fp8 handle was given bf16 x: the
+        dequantised rows); row r of local expert e is live for r < expert_num_tokens[e], the
+        rest is undefined, except zero on a differentiable handle, on the reference backend
+        and when dequantised.
+      expert_x_scale: [L, max_recv, H/128] f32 for fp8 dispatch of fp8 x, else None.
+      expert_weights: [L, max_recv] f32.
+    layout="packed":
+      expert_x: [max_recv_total, H]: the live rows of local expert 0, then of expert 1, ...
+        (group_sizes[e] rows each, the ragged_dot layout); rows >= sum(group_sizes) are zero.
+      expert_x_scale: [max_recv_total, H/128] f32 for fp8 dispatch of fp8 x, packed the same
+        way, else None.
+      expert_weights: [max_recv_total] f32, packed the same way.
+    expert_num_tokens: [L] int32, rows received per local expert (also `group_sizes`).
+    routing: opaque; hand it to combine unchanged.
+    expert_weights: the router weight of the slot that produced each row (repeated experts
+      merged; zero past the counts), only when dispatch_send was given weights, else None; it
       carries no gradient (weight in combine to train the router).
+
+    L = num_experts / world_size, max_recv = max_num_tokens * num_token_groups,
+    max_recv_total = max_recv * min(experts_per_token, L) (MoEConfig properties).
     """
 
     expert_x: jax.Array
@@ -43,6 +61,18 @@ class DispatchOutput(NamedTuple):
     expert_num_tokens: jax.Array
     routing: Any
     expert_weights: jax.Array | None = None
+
+    @property
+    def group_sizes(self) -> jax.Array:
+        """[L] int32: rows per local expert, the group_sizes of jax.lax.ragged_dot."""
+        return self.expert_num_tokens
+
+
+class Routing(NamedTuple):
+    """DispatchOutput.routing: where each expert_x row came from. Opaque to callers."""
+
+    backend: Any  # the backend's own record
+    expert_num_tokens: jax.Array  # [L] int32: where each expert's rows start when packed
 
 
 class PendingDispatch(NamedTuple):
@@ -81,13 +111,36 @@ def native_available() -> bool:
     return native.available()
 
 
-def resolve_backend(backend: str) -> str:
+def _gpu_problem(config: MoEConfig | None) -> str:
+    """'' when the nvshmem backend can run in this process, else why not and what to do."""
+    from . import bootstrap, native
+
+    reason = native.unavailable_reason()
+    if reason:
+        return reason
+    reason = bootstrap.process_layout_problem(None if config is None else config.world_size)
+    if reason:
+        return reason
+    return native.device_problem(jax.local_devices()[0])
+
+
+def resolve_backend(backend: str, config: MoEConfig | None = None) -> str:
+    """The backend `backend` stands for here: 'auto' is 'nvshmem' on CUDA GPUs where it can
+    run, else 'reference' (with a ReferenceFallbackWarning on GPUs, saying why)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
     if backend != "auto":
         return backend
-    if _platform() in ("gpu", "cuda") and native_available():
+    if _platform() not in ("gpu", "cuda"):
+        return "reference"
+    problem = _gpu_problem(config)
+    if not problem:
         return "nvshmem"
+    warnings.warn(f"jax_moe_comm: backend='auto' is on GPUs but uses the reference backend "
+                  f"(XLA all_to_all of padded buffers, far slower than the CUDA kernels) "
+                  f"because {problem} Pass backend='reference' to silence this, or "
+                  "backend='nvshmem' to make it an error.", ReferenceFallbackWarning,
+                  stacklevel=3)
     return "reference"
 
 
@@ -95,11 +148,16 @@ class AllToAll:
     """One expert-parallel all-to-all of a fixed layer shape.
 
     Create it collectively (same order on every process), outside jit. Call its ops inside
-    `jax.shard_map` over `axis_name`, with per-rank shapes:
+    `jax.shard_map` over `axis_name`, with per-rank shapes (the global arrays have world_size
+    times the rows, sharded with P(axis_name)):
 
       x [max_m, H] (bf16 or fp8 e4m3), x_scale [max_m, H/128] f32 (fp8 only),
       indices [max_m, k] int32 (-1 = unused slot), weights [max_m, k] f32,
-      num_tokens: scalar int32 (rows >= num_tokens are ignored).
+      num_tokens: int32 of shape (1,) (a global [world_size] array) or () (rows >=
+      num_tokens are ignored; it may change every step with no recompilation).
+
+    layout: "padded" gives expert_x [L, max_recv, H]; "packed" gives [max_recv_total, H] with
+    each local expert's rows contiguous, for jax.lax.ragged_dot (see DispatchOutput).
 
     Every wait for a peer is bounded by `timeout_s`; a peer that never answers surfaces as
     PeerTimeoutError (from check(), or from the next call on the handle).
@@ -112,19 +170,26 @@ class AllToAll:
     f32 combine; a second one with dp_size 1 when dp_size > 1), so that jax.grad can
     differentiate dispatch (w.r.t. x) and combine (w.r.t. expert_y and weights); padding rows
     of expert_x are then zero. Without it, differentiating raises at trace time. Forward-mode
-    (jax.jvp) and jax.vmap are not supported. Rules and DP/fp8 semantics: autodiff.py.
+    (jax.jvp) and jax.vmap are not supported. Rules and DP/fp8 semantics: autodiff.py. Both
+    layouts: the rules work on the padded rows, and the packed layout is a differentiable
+    gather from them (pack_rows; combine's expert_y goes back through unpack_rows).
     """
 
     def __init__(self, config: MoEConfig, *, axis_name: str = "ep", backend: str = "auto",
-                 tuning: KernelTuning | None = None, timeout_s: float = 30.0,
-                 differentiable: bool = False):
+                 layout: str = "padded", tuning: KernelTuning | None = None,
+                 timeout_s: float = 30.0, differentiable: bool = False):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout={layout!r}; expected one of {LAYOUTS}: 'padded' gives "
+                             "expert_x [L, max_recv, H], 'packed' [max_recv_total, H] for "
+                             "jax.lax.ragged_dot")
         self.config = config
         self.axis_name = axis_name
-        self.backend_name = resolve_backend(backend)
+        self.layout = layout
+        self.backend_name = resolve_backend(backend, config)
         self._tuning, self._timeout_s = tuning or KernelTuning.DEFAULT, timeout_s
         self._backends = []  # every handle this object owns, closed together
         try:
@@ -136,7 +201,7 @@ class AllToAll:
                                           combine_dtype=jnp.float32)
                 dispatch_grad = combine_grad = self._make_backend(bwd)
                 if config.dp_size > 1:
-                    combine_grad = self._make_backend(dataclasses.replace(bwd, dp_size=1))
+                    combine_grad = self._make_backend(dataclasses.replace(bwd, token_replicas=1))
         except BaseException:
             for b in self._backends:
                 b.close()
@@ -153,10 +218,9 @@ class AllToAll:
         else:
             from .backends import nvshmem
 
-            if not native_available():
-                from . import native
-
-                raise NativeUnavailableError(native.unavailable_reason())
+            problem = _gpu_problem(config)
+            if problem:
+                raise NativeUnavailableError(problem)
             backend = nvshmem.NvshmemBackend(config, self.axis_name, self._tuning,
                                              self._timeout_s)
             ad.allow_remat_of_ffi_calls()  # jax.checkpoint saves the all-to-alls' outputs
@@ -193,7 +257,10 @@ class AllToAll:
         return sum(b.symmetric_bytes for b in self._backends)
 
     def check(self) -> None:
-        """Wait for the device, then raise the first error the kernels recorded, if any."""
+        """Wait for the device, then raise the first error recorded since the last check():
+        InvalidRoutingError (bad expert index or num_tokens of a live row; the slot was
+        skipped) or PeerTimeoutError (also for the backward handles of a differentiable
+        handle)."""
         for b in self._backends:
             check = getattr(b, "check", None)
             if check is not None:
@@ -201,7 +268,10 @@ class AllToAll:
 
     def _live(self):
         if self._closed:
-            raise ProtocolError("this AllToAll handle is closed")
+            raise ProtocolError("this AllToAll handle is closed: close() (or the end of its "
+                                "`with` block) freed its buffers. Close a handle after the "
+                                "last step that uses it; a jitted step traces its ops when it "
+                                "first runs, so the handle must be open then too.")
         rt.check_axis(self.config, self.axis_name)
         return self._backend
 
@@ -232,15 +302,22 @@ class AllToAll:
         return PendingDispatch(state, ad.DispatchArgs(x, x_scale, first, num_tokens, merged))
 
     def dispatch_recv(self, pending: PendingDispatch) -> DispatchOutput:
-        """Wait for every peer's tokens and lay them out per local expert."""
+        """Wait for every peer's tokens and lay them out per local expert (self.layout)."""
         if not isinstance(pending, PendingDispatch) or pending.args is None:
-            raise TypeError("dispatch_recv takes the PendingDispatch that dispatch_send returned")
+            raise TypeError(f"dispatch_recv takes the PendingDispatch that dispatch_send "
+                            f"returned, got {type(pending).__name__}")
         self._live()
         a = pending.args
         dequantize = self.config.is_fp8 and a.x_scale is None
-        return DispatchOutput(*_named(ad.dispatch_recv(
+        expert_x, scale, counts, routing, ew = _named(ad.dispatch_recv(
             self._plan, dequantize, pending.state, a.x, a.x_scale, a.indices, a.num_tokens,
-            a.weights)))
+            a.weights))
+        if self.layout == "packed":
+            total = self.config.max_recv_total
+            expert_x = pack_rows(expert_x, counts, total)
+            scale = None if scale is None else pack_rows(scale, counts, total)
+            ew = None if ew is None else pack_rows(ew, counts, total)
+        return DispatchOutput(expert_x, scale, counts, Routing(routing, counts), ew)
 
     def dispatch(self, x, indices, num_tokens, *, x_scale=None, weights=None) -> DispatchOutput:
         return self.dispatch_recv(self.dispatch_send(x, indices, num_tokens, x_scale=x_scale,
@@ -248,13 +325,28 @@ class AllToAll:
 
     # -- combine ---------------------------------------------------------------------------
     def combine_send(self, expert_y, routing) -> PendingCombine:
-        """Start sending every expert output row back to its token's home rank(s)."""
+        """Start sending every expert output row back to its token's home rank(s).
+
+        expert_y: combine dtype, in the handle's layout: [L, max_recv, H] ("padded") or
+        [max_recv_total, H] ("packed"), row for row as dispatch laid out expert_x.
+        routing: the DispatchOutput.routing of that dispatch.
+        """
         self._live()
         cfg = self.config
-        shape = (cfg.num_local_experts, cfg.max_recv_tokens, cfg.hidden)
-        rt.check_array("expert_y", expert_y, shape, cfg.combine_dtype)
-        state = ad.combine_send(self._plan, expert_y, routing)
-        return PendingCombine(state, ad.CombineArgs(expert_y, routing))
+        if not isinstance(routing, Routing):
+            raise TypeError(f"routing must be the DispatchOutput.routing that dispatch (or "
+                            f"dispatch_recv) returned, passed unchanged; got "
+                            f"{type(routing).__name__}")
+        L, R, H = cfg.num_local_experts, cfg.max_recv_tokens, cfg.hidden
+        if self.layout == "packed":
+            rt.check_array("expert_y", expert_y, (cfg.max_recv_total, H), cfg.combine_dtype,
+                           hint="layout='packed': one row per expert_x row")
+            expert_y = unpack_rows(expert_y, routing.expert_num_tokens, R)
+        else:
+            rt.check_array("expert_y", expert_y, (L, R, H), cfg.combine_dtype,
+                           hint="layout='padded': one row per expert_x row")
+        state = ad.combine_send(self._plan, expert_y, routing.backend)
+        return PendingCombine(state, ad.CombineArgs(expert_y, routing.backend))
 
     def combine_recv(self, pending: PendingCombine, indices, weights, num_tokens) -> jax.Array:
         """Wait for every row of this rank's tokens; y[t] = sum_j weights[t,j] * row(t,j).
@@ -262,7 +354,8 @@ class AllToAll:
         Returns y [max_m, H] bf16, summed in f32; rows >= num_tokens are zero.
         """
         if not isinstance(pending, PendingCombine) or pending.args is None:
-            raise TypeError("combine_recv takes the PendingCombine that combine_send returned")
+            raise TypeError(f"combine_recv takes the PendingCombine that combine_send "
+                            f"returned, got {type(pending).__name__}")
         self._live()
         cfg = self.config
         rt.check_routing(cfg, indices, weights)
@@ -275,3 +368,35 @@ class AllToAll:
     def combine(self, expert_y, routing, indices, weights, num_tokens) -> jax.Array:
         return self.combine_recv(self.combine_send(expert_y, routing), indices, weights,
                                  num_tokens)
+
+
+# -- packed layout ---------------------------------------------------------------------------
+# Done here, once for every backend, as a gather from the padded layout (a kernel could write
+# it directly later: the API would not change).
+def _packed_rows(counts, total: int, rows_per_expert: int):
+    """For packed rows i < total: (local expert, row within it, live)."""
+    counts = jnp.minimum(counts, rows_per_expert)
+    ends = jnp.cumsum(counts)
+    i = jnp.arange(total, dtype=ends.dtype)
+    expert = jnp.searchsorted(ends, i, side="right")  # == L past the last live row
+    last = counts.shape[0] - 1
+    row = i - (ends - counts)[jnp.minimum(expert, last)]
+    return expert, row, i < ends[-1]
+
+
+def pack_rows(padded, counts, total: int):
+    """[L, R, ...] rows (r < counts[e] live) -> [total, ...]: expert 0's live rows, then expert
+    1's, ...; rows >= sum(counts) are zero."""
+    L, R = padded.shape[:2]
+    expert, row, live = _packed_rows(counts, total, R)
+    rows = padded[jnp.minimum(expert, L - 1), jnp.clip(row, 0, R - 1)]
+    live = live.reshape(live.shape + (1,) * (rows.ndim - 1))
+    return jnp.where(live, rows, jnp.zeros((), rows.dtype))
+
+
+def unpack_rows(packed, counts, rows_per_expert: int):
+    """The inverse of pack_rows: [total, ...] -> [L, R, ...], zero past each expert's count."""
+    L, R = counts.shape[0], rows_per_expert
+    expert, row, _ = _packed_rows(counts, packed.shape[0], R)
+    out = jnp.zeros_like(packed, shape=(L, R) + packed.shape[1:])  # varying like packed
+    return out.at[expert, row].set(packed, mode="drop")  # expert == L: past the live rows

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 
 from . import native
@@ -9,6 +11,9 @@ from .errors import NativeUnavailableError
 
 UID_KEY = "jax_moe_comm:nvshmem_uid"
 UID_TIMEOUT_MS = 120_000
+KV_TIMEOUT_MS = 300_000
+_STAGED: bool | None = None  # some peer is not reachable by load/store (decided at init)
+_TAGS = itertools.count()  # per-process: the same sequence on every process
 
 
 def _kv_client():
@@ -20,6 +25,26 @@ def _kv_client():
     return client
 
 
+def process_layout_problem(world_size: int | None = None) -> str:
+    """'' when this job has the nvshmem backend's process layout (one GPU per process, one
+    rank per process along the expert-parallel axis), else what is wrong and what to do."""
+    local = len(jax.local_devices())
+    if local != 1:
+        return (f"the nvshmem backend runs one process per GPU (one NVSHMEM PE each), but this "
+                f"process drives {local} devices (a single JAX process takes every GPU it sees). "
+                f"Launch one process per GPU: `python -m jax_moe_comm.launch -n {local} -- "
+                "python your_script.py` (it sets jax.distributed up; on SLURM: srun with one "
+                "task per GPU, then jax.distributed.initialize()), or pass backend='reference' "
+                "(XLA all_to_all, runs in this process layout).")
+    count = jax.process_count()
+    if world_size is not None and world_size != count:
+        return (f"the nvshmem backend makes one rank of every process: world_size={world_size} "
+                f"but jax.process_count()={count}. The expert-parallel axis must span all "
+                f"processes, one GPU each (MoEConfig.world_size={count}); or pass "
+                "backend='reference'.")
+    return ""
+
+
 def init() -> None:
     """Initialize NVSHMEM for this process (idempotent). Call after jax.distributed.initialize.
 
@@ -29,13 +54,10 @@ def init() -> None:
     mod = native.module()
     if mod.initialized():
         return
+    problem = process_layout_problem()
+    if problem:
+        raise NativeUnavailableError(problem)
     local = jax.local_devices()
-    if len(local) != 1:
-        raise NativeUnavailableError(
-            f"this process drives {len(local)} GPUs, but NVSHMEM needs one process per GPU. "
-            "Launch one process per GPU, e.g. `python -m jax_moe_comm.launch -n "
-            f"{len(local)} -- python your_script.py` (it sets jax.distributed up), or use "
-            "backend='reference'.")
     rank, nranks = jax.process_index(), jax.process_count()
     if nranks == 1:
         uid = mod.make_unique_id()
@@ -50,6 +72,35 @@ def init() -> None:
     device = local[0].id if device is None else device
     mod.init(uid, rank, nranks, int(device))
     native.register_targets()
+    # Put sources must be symmetric for peers reached over a network transport; every rank
+    # must agree, since the staging buffers are part of the collective allocation.
+    global _STAGED
+    reachable = all_gather("p2p", "1" if mod.probe_peers_p2p() else "0")
+    _STAGED = "0" in reachable
+
+
+def staged() -> bool:
+    """Whether puts are staged through symmetric memory (some peer is not load/store)."""
+    if _STAGED is None:
+        raise RuntimeError("jax_moe_comm.init() has not run")
+    return _STAGED
+
+
+def next_collective_tag(kind: str) -> str:
+    """A key-value store tag for the next collective step of this process (same on every
+    process as long as they make the same calls in the same order)."""
+    return f"{kind}{next(_TAGS)}"
+
+
+def all_gather(tag: str, value: str) -> list[str]:
+    """Every process's `value` for `tag`, in rank order, through JAX's key-value store."""
+    client = _kv_client()
+    if client is None:
+        return [value]
+    rank = jax.process_index()
+    client.key_value_set(f"jax_moe_comm:{tag}:{rank}", "=" + value)  # "=": never empty
+    return [client.blocking_key_value_get(f"jax_moe_comm:{tag}:{r}", KV_TIMEOUT_MS)[1:]
+            for r in range(jax.process_count())]
 
 
 def finalize() -> None:

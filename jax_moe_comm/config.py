@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -40,9 +41,15 @@ class MoEConfig:
     num_experts: E, experts over all ranks.
     experts_per_token: k, router slots per token.
     hidden: H, elements per token row.
-    max_num_tokens: max_m, tokens per rank (the static row count of x).
+    max_num_tokens: max_m, tokens *per rank* (the static row count of each rank's x; the
+        global x along the expert-parallel axis has world_size * max_m rows).
     world_size: EP, ranks along the expert-parallel axis.
-    dp_size: ranks per data-parallel group (they hold the same tokens).
+    token_replicas: how many consecutive ranks of the axis hold the *same* tokens (e.g. the
+        tensor-parallel ranks of one model replica). 1, the usual case, means every rank holds
+        its own tokens, as the ranks of a JAX data-parallel axis do. With R > 1, ranks
+        [g*R, (g+1)*R) hold identical x/indices/weights, split the sending between them and
+        all receive the combined y. (pplx-kernels calls this dp_size; `dp_size=` is accepted
+        as an alias.)
     dispatch_dtype: bf16, or float8_e4m3fn with f32 block scales [max_m, H/128].
     combine_dtype: dtype of expert_y (bf16 or f32); y is always bf16.
     """
@@ -52,13 +59,13 @@ class MoEConfig:
     hidden: int
     max_num_tokens: int
     world_size: int
-    dp_size: int = 1
+    token_replicas: int = 1
     dispatch_dtype: Any = jnp.bfloat16
     combine_dtype: Any = jnp.bfloat16
 
     def __post_init__(self):
         for name in ("num_experts", "experts_per_token", "hidden", "max_num_tokens",
-                     "world_size", "dp_size"):
+                     "world_size", "token_replicas"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -72,9 +79,10 @@ class MoEConfig:
         if self.num_experts % self.world_size:
             raise ValueError(f"num_experts={self.num_experts} is not divisible by the "
                              f"{self.world_size} ranks of the expert-parallel axis")
-        if self.world_size % self.dp_size:
+        if self.world_size % self.token_replicas:
             raise ValueError(f"world_size={self.world_size} is not divisible by "
-                             f"dp_size={self.dp_size}")
+                             f"token_replicas={self.token_replicas} (ranks holding the same "
+                             "tokens come in whole groups)")
         row_bytes = self.hidden * self.dispatch_dtype.itemsize
         if row_bytes % ROW_ALIGN_BYTES:
             raise ValueError(f"hidden={self.hidden} gives {row_bytes}-byte "
@@ -99,18 +107,48 @@ class MoEConfig:
         return self.num_experts // self.world_size
 
     @property
-    def num_dp_groups(self) -> int:
-        return self.world_size // self.dp_size
+    def dp_size(self) -> int:
+        """pplx-kernels' name of token_replicas."""
+        return self.token_replicas
+
+    @property
+    def num_token_groups(self) -> int:
+        """Groups of ranks with distinct tokens: world_size / token_replicas."""
+        return self.world_size // self.token_replicas
+
+    num_dp_groups = num_token_groups  # pplx-kernels' name
 
     @property
     def max_recv_tokens(self) -> int:
-        """Rows per local expert: each DP group sends a token at most once per expert."""
-        return self.max_num_tokens * self.num_dp_groups
+        """Rows per local expert: each token group sends a token at most once per expert."""
+        return self.max_num_tokens * self.num_token_groups
+
+    @property
+    def max_recv_total(self) -> int:
+        """Rows of the packed layout: a token brings at most min(k, L) rows to one rank."""
+        return self.max_recv_tokens * min(self.experts_per_token, self.num_local_experts)
 
     @property
     def num_scales(self) -> int:
         """f32 block scales per token row (0 for bf16 dispatch)."""
         return math.ceil(self.hidden / SCALE_BLOCK) if self.is_fp8 else 0
+
+
+_dataclass_init = MoEConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_with_alias(self, *, dp_size: int | None = None, **kwargs):
+    if dp_size is not None:
+        if kwargs.get("token_replicas", dp_size) != dp_size:
+            raise ValueError(f"dp_size={dp_size} and token_replicas="
+                             f"{kwargs['token_replicas']} disagree; dp_size is the old name of "
+                             "token_replicas: pass only token_replicas")
+        kwargs["token_replicas"] = dp_size
+    _dataclass_init(self, **kwargs)
+
+
+MoEConfig.__init__ = _init_with_alias
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -123,8 +161,8 @@ class KernelTuning:
     def __post_init__(self):
         if self.num_blocks < 0:
             raise ValueError(f"num_blocks={self.num_blocks} must be >= 0 (0 = auto)")
-        if not 2 <= self.warps_per_block <= 32:
-            raise ValueError(f"warps_per_block={self.warps_per_block} must be in [2, 32]")
+        if not 2 <= self.warps_per_block <= 16:  # the kernels' __launch_bounds__: 512 threads
+            raise ValueError(f"warps_per_block={self.warps_per_block} must be in [2, 16]")
 
 
 KernelTuning.DEFAULT = KernelTuning()

@@ -31,6 +31,9 @@ def _parse(argv):
     p.add_argument("--tokens", type=int, default=32, help="max tokens per rank")
     p.add_argument("--fp8", action="store_true", help="fp8 dispatch with block scales")
     p.add_argument("--no-shared", action="store_true", help="no shared expert")
+    p.add_argument("--layout", default="packed", choices=("packed", "padded"),
+                   help="expert layout: packed rows + ragged_dot (default), or the padded "
+                        "[L, max_recv, H] layout through a dense einsum")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train", action="store_true", help="training steps instead of inference")
     p.add_argument("--lr", type=float, default=3e-3, help="learning rate (--train)")
@@ -73,12 +76,13 @@ def main(argv=None) -> int:
     world = len(jax.devices())
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
     a2a = AllToAll(cfg.comm_config(world), axis_name="ep", backend=args.backend,
-                   differentiable=args.train)
+                   layout=args.layout, differentiable=args.train)
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"jax_moe_comm demo: backend={a2a.backend_name} ranks={world} "
         f"platform={jax.default_backend()} E={cfg.num_experts} k={cfg.experts_per_token} "
         f"H={cfg.hidden} F={cfg.ffn} max_tokens/rank={cfg.max_num_tokens} "
-        f"dispatch={'fp8' if cfg.fp8_dispatch else 'bf16'} shared_expert={cfg.shared_expert}")
+        f"dispatch={'fp8' if cfg.fp8_dispatch else 'bf16'} shared_expert={cfg.shared_expert} "
+        f"layout={a2a.layout}")
 
     params = init_params(cfg, args.seed)
     if args.train:

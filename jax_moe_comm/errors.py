@@ -13,9 +13,24 @@ class InvalidRoutingError(MoECommError):
     """Routing data seen at run time was out of range (expert index, num_tokens)."""
 
 
+class PeerAbortedError(MoECommError):
+    """Another rank reported an error on this handle first; its message names the rank and
+    what it saw (that rank raises the original error)."""
+
+
+class CorruptDataError(MoECommError):
+    """A value read from a peer or from the routing passed to combine was out of range; it was
+    dropped instead of being written out of bounds."""
+
+
 class ProtocolError(MoECommError):
     """The split API was misused: a recv without its send, two sends in flight on one handle."""
 
 
 class NativeUnavailableError(MoECommError):
     """The CUDA backend was asked for but cannot run here (not built, no GPU, wrong NVSHMEM)."""
+
+
+class ReferenceFallbackWarning(UserWarning):
+    """backend='auto' is on GPUs but cannot use the CUDA kernels, and took the (much slower)
+    reference backend; the message says why and how to get the CUDA path."""

@@ -1,10 +1,15 @@
 """Start N processes with jax.distributed set up: `python -m jax_moe_comm.launch -n N -- CMD`.
 
-Each child gets JAX_MOE_COMM_{COORDINATOR,NUM_PROCESSES,PROCESS_ID} (read by
-`jax_moe_comm.distributed.initialize()`), one GPU each by default, or all on GPU 0 with
---oversubscribe (CUDA MPS started and stopped here, 100/N of the SMs per process). Output
-lines are prefixed with the rank. If one rank fails or the timeout passes, the others are
-sent SIGTERM, then SIGKILL, and the launcher exits non-zero.
+One node. Each child gets JAX_COORDINATOR_ADDRESS (read by jax.distributed.initialize()
+itself), JAX_NUM_PROCESSES and JAX_PROCESS_ID (read once jax_moe_comm is imported), on GPU
+JAX_LOCAL_DEVICE_IDS=0 and its own CUDA_VISIBLE_DEVICES (one GPU each by default, or all on
+GPU 0 with --oversubscribe: CUDA MPS started and stopped here, 100/N of the SMs per process),
+on CPU JAX_PLATFORMS=cpu and JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo. So a script that calls
+`jax.distributed.initialize()` with no arguments (after `import jax_moe_comm`), or
+`jax_moe_comm.distributed.initialize()`, runs unchanged. The same values are also exported as
+JAX_MOE_COMM_{COORDINATOR,NUM_PROCESSES,PROCESS_ID}. Output lines are prefixed with the rank.
+If one rank fails or the timeout passes, the others are sent SIGTERM, then SIGKILL, and the
+launcher exits non-zero.
 """
 
 from __future__ import annotations
@@ -123,6 +128,7 @@ def run(num_processes: int, cmd: list[str], *, oversubscribe: bool = False,
             base["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, 100 // num_processes))
     else:
         base["JAX_PLATFORMS"] = "cpu"
+        base["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] = "gloo"  # XLA:CPU collectives across processes
     base["NVSHMEM_DISABLE_NVLS"] = "1"
     base["PYTHONUNBUFFERED"] = "1"
     base.setdefault("PYTHONFAULTHANDLER", "1")  # a segfaulting rank prints its stack
@@ -131,11 +137,13 @@ def run(num_processes: int, cmd: list[str], *, oversubscribe: bool = False,
     try:
         for rank in range(num_processes):
             env = dict(base)
-            env.update(JAX_MOE_COMM_COORDINATOR=coordinator,
+            env.update(JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES=str(num_processes),
+                       JAX_PROCESS_ID=str(rank), JAX_MOE_COMM_COORDINATOR=coordinator,
                        JAX_MOE_COMM_NUM_PROCESSES=str(num_processes),
                        JAX_MOE_COMM_PROCESS_ID=str(rank))
             if use_gpu:
                 env["CUDA_VISIBLE_DEVICES"] = "0" if oversubscribe else str(rank)
+                env["JAX_LOCAL_DEVICE_IDS"] = "0"  # this process's one visible GPU
             p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True, bufsize=1)
             procs.append(p)

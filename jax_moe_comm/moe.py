@@ -2,7 +2,9 @@
 
 The shared expert runs between dispatch_send and dispatch_recv, so on the nvshmem backend it
 overlaps the tokens' flight. Expert weights are sharded over the EP axis (rank r holds experts
-[r*L, (r+1)*L)); router and shared expert are replicated.
+[r*L, (r+1)*L)); router and shared expert are replicated. With a handle made with
+layout="packed" the experts are one jax.lax.ragged_dot over the live rows (a grouped GEMM);
+with layout="padded" a batched einsum over every padded row.
 """
 
 from __future__ import annotations
@@ -71,6 +73,26 @@ def mlp(x, w_in, w_out):
     return jnp.dot(h.astype(jnp.bfloat16), w_out, preferred_element_type=jnp.float32)
 
 
+def experts_forward(a2a: AllToAll, params, out):
+    """This rank's experts on dispatch's output: expert_y in the handle's layout and combine
+    dtype. params["w_in"] [L, H, F], params["w_out"] [L, F, H] (this rank's slice)."""
+    ex = out.expert_x
+    if out.expert_x_scale is not None:
+        ex = dequantize_fp8(ex, out.expert_x_scale).astype(jnp.bfloat16)
+    f32 = jnp.float32
+    if a2a.layout == "packed":  # [rows, H], expert e's rows contiguous: one grouped GEMM each
+        gs = out.group_sizes
+        h = jax.nn.silu(jax.lax.ragged_dot(ex, params["w_in"], gs, preferred_element_type=f32))
+        y = jax.lax.ragged_dot(h.astype(jnp.bfloat16), params["w_out"], gs,
+                               preferred_element_type=f32)
+    else:  # [L, max_recv, H]: every padded row goes through the MLP
+        h = jax.nn.silu(jnp.einsum("lrh,lhf->lrf", ex, params["w_in"],
+                                   preferred_element_type=f32))
+        y = jnp.einsum("lrf,lfh->lrh", h.astype(jnp.bfloat16), params["w_out"],
+                       preferred_element_type=f32)
+    return y.astype(a2a.config.combine_dtype)
+
+
 def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens, drop=None):
     """Per rank, inside shard_map: x [max_m, H] bf16 -> y [max_m, H] bf16.
 
@@ -83,11 +105,7 @@ def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens, drop=
     if shared is not None:  # the shared expert runs while the tokens are on the wire
         pending = order_after(pending, shared)
     out = a2a.dispatch_recv(pending)
-    ex = out.expert_x  # bf16 (dequantised on arrival with fp8 dispatch)
-    h = jax.nn.silu(jnp.einsum("lrh,lhf->lrf", ex, params["w_in"],
-                               preferred_element_type=jnp.float32))
-    expert_y = jnp.einsum("lrf,lfh->lrh", h.astype(jnp.bfloat16), params["w_out"],
-                          preferred_element_type=jnp.float32).astype(a2a.config.combine_dtype)
+    expert_y = experts_forward(a2a, params, out)
     y = a2a.combine(expert_y, out.routing, indices, weights, num_tokens)
     if shared is not None:
         y = (y.astype(jnp.float32) + shared).astype(jnp.bfloat16)

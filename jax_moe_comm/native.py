@@ -3,15 +3,33 @@
 from __future__ import annotations
 
 import functools
+import importlib
 
 REQUIRED_NVSHMEM = (3, 4, 5)
 
+# How to get the CUDA module, for every message that says it is missing.
+BUILD_HINT = ("Build it from a source checkout on a machine with nvcc (CUDA 13): "
+              "`pip install '.[cuda]'` (with nvcc present the build includes the CUDA module or "
+              "fails saying why; JMC_CUDA=ON makes a missing nvcc an error too), or run "
+              "`bash scripts/setup.sh`")
+
 _import_error: str | None = None
 try:
-    from . import _native  # type: ignore[attr-defined]
+    _native = importlib.import_module(f"{__package__}._native")
 except ImportError as e:  # not built (no CUDA toolkit at install time) or libs missing
     _native = None
-    _import_error = f"the native module did not load: {e}"
+    if isinstance(e, ModuleNotFoundError) and e.name == f"{__package__}._native":
+        _import_error = ("jax_moe_comm was installed without its CUDA module (no nvcc when it "
+                         "was built, or JMC_CUDA=OFF)")
+    else:
+        _import_error = (f"jax_moe_comm's CUDA module did not load: {e} (the NVSHMEM host "
+                         "library comes with `pip install nvidia-nvshmem-cu13==3.4.5`, the "
+                         "[cuda] extra)")
+
+try:  # written by CMake beside _native: the GPU architectures it was compiled for
+    _native_build = importlib.import_module(f"{__package__}._native_build")
+except ImportError:
+    _native_build = None
 
 
 def module():
@@ -28,8 +46,7 @@ def module():
 def unavailable_reason() -> str:
     """'' when the nvshmem backend can run here, else why not (and what to do)."""
     if _native is None:
-        return (f"{_import_error}. Reinstall with a CUDA toolkit and "
-                "nvidia-nvshmem-cu13==3.4.5 present (pip install '.[cuda]').")
+        return f"{_import_error}. {BUILD_HINT}."
     built = tuple(_native.built_nvshmem_version())
     loaded = tuple(_native.runtime_nvshmem_version())
     if built != loaded or loaded != REQUIRED_NVSHMEM:
@@ -41,6 +58,39 @@ def unavailable_reason() -> str:
     if _native.cuda_device_count() == 0:
         return f"no usable CUDA device: {_native.cuda_driver_error()}"
     return ""
+
+
+def built_archs() -> tuple[tuple[int, ...], int | None]:
+    """(SASS architectures, PTX architecture) the CUDA module was compiled for, e.g.
+    ((80, 90, 100), 100); ((), None) when unknown."""
+    if _native_build is None:
+        return (), None
+    return tuple(_native_build.CUDA_ARCHS), _native_build.PTX_ARCH
+
+
+def arch_supported(sm: int, sass: tuple[int, ...], ptx: int | None) -> bool:
+    """Machine code for sm_XY runs on sm_XZ, Z >= Y (same major); PTX is JIT-compiled for any
+    later architecture."""
+    return any(a // 10 == sm // 10 and a <= sm for a in sass) or (ptx is not None and ptx <= sm)
+
+
+def device_problem(device) -> str:
+    """'' when the CUDA module has code for `device` (a jax Device), else what to do."""
+    cc = getattr(device, "compute_capability", None)
+    sass, ptx = built_archs()
+    if cc is None or not sass:
+        return ""
+    major, minor = (int(v) for v in str(cc).split(".")[:2])
+    sm = 10 * major + minor
+    if arch_supported(sm, sass, ptx):
+        return ""
+    kind = getattr(device, "device_kind", "this GPU")
+    built = ", ".join(f"sm_{a}" for a in sass)
+    ptx_note = f" + PTX for compute_{ptx}, which later GPUs JIT-compile" if ptx else ""
+    return (f"{kind} is sm_{sm}, but jax_moe_comm's CUDA module was built for {built}"
+            f"{ptx_note}. Rebuild it for this GPU: `pip install '.[cuda]' -C "
+            f"cmake.define.JMC_CUDA_ARCHS={sm}` (NVSHMEM needs sm_70 or newer), or pass "
+            "backend='reference'.")
 
 
 def available() -> bool:

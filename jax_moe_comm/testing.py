@@ -126,15 +126,34 @@ def check_dispatch(cfg: MoEConfig, inp: Inputs, rank: int, expert_x, expert_x_sc
                                  f"{extra} unexpected rows (of {counts[e]})")
 
 
-def expert_outputs(cfg: MoEConfig, rank, expert_x, expert_x_scale):
-    """The test experts, in JAX: expert_y[e] = c_e * dequant(expert_x[e]) in combine dtype."""
+def unpack(cfg: MoEConfig, expert_x, expert_num_tokens):
+    """Packed-layout rows [max_recv_total, ...] -> padded [L, max_recv, ...] (numpy), after
+    asserting that rows past sum(group_sizes) are zero."""
+    ex, counts = np.asarray(expert_x), np.asarray(expert_num_tokens)
+    assert ex.shape[0] == cfg.max_recv_total, ex.shape
+    ends = np.cumsum(counts)
+    assert ends[-1] <= cfg.max_recv_total, counts
+    tail = ex[ends[-1]:]
+    assert not np.any(tail.astype(np.float32)), "packed rows past sum(group_sizes) not zero"
+    out = np.zeros((cfg.num_local_experts, cfg.max_recv_tokens) + ex.shape[1:], ex.dtype)
+    for e, (end, n) in enumerate(zip(ends, counts)):
+        out[e, :n] = ex[end - n:end]
+    return out
+
+
+def expert_outputs(cfg: MoEConfig, rank, expert_x, expert_x_scale, group_sizes=None):
+    """The test experts, in JAX: expert_y = c_e * dequant(row) in combine dtype, for the rows
+    of local expert e; packed rows when group_sizes is given."""
     xf = expert_x.astype(jnp.float32)
     if expert_x_scale is not None:
         xf = xf * jnp.repeat(expert_x_scale, SCALE_BLOCK, axis=-1)
     first = rank * cfg.num_local_experts
     c = jnp.asarray(expert_factor(cfg), jnp.float32)
     c = jax.lax.dynamic_slice_in_dim(c, first, cfg.num_local_experts)
-    return (c[:, None, None] * xf).astype(cfg.combine_dtype)
+    if group_sizes is None:
+        return (c[:, None, None] * xf).astype(cfg.combine_dtype)
+    c_row = jnp.repeat(c, group_sizes, total_repeat_length=expert_x.shape[0])
+    return (c_row[:, None] * xf).astype(cfg.combine_dtype)
 
 
 def expected_y(cfg: MoEConfig, inp: Inputs, rank: int) -> np.ndarray:
@@ -196,14 +215,16 @@ def make_step(a2a: AllToAll, mesh, split: bool = False):
         else:
             out = a2a.dispatch(x, indices, nt, x_scale=x_scale)
         rank = jax.lax.axis_index(axis)
-        expert_y = expert_outputs(cfg, rank, out.expert_x, out.expert_x_scale)
+        packed = a2a.layout == "packed"
+        expert_y = expert_outputs(cfg, rank, out.expert_x, out.expert_x_scale,
+                                  out.group_sizes if packed else None)
         if split:
             y = a2a.combine_recv(a2a.combine_send(expert_y, out.routing), indices, weights, nt)
         else:
             y = a2a.combine(expert_y, out.routing, indices, weights, nt)
         scale = out.expert_x_scale
         if scale is None:
-            scale = jnp.zeros((cfg.num_local_experts, cfg.max_recv_tokens, 0), jnp.float32)
+            scale = jnp.zeros(out.expert_x.shape[:-1] + (0,), jnp.float32)
         return out.expert_x, scale, out.expert_num_tokens, y
 
     def step(x, x_scale, indices, weights, num_tokens):
@@ -234,12 +255,16 @@ def run_and_check(a2a: AllToAll, mesh, inp: Inputs, split: bool = False, step=No
     step = step or make_step(a2a, mesh, split)
     ex, exs, counts, y = step(*global_inputs(cfg, mesh, inp))
     L, m = cfg.num_local_experts, cfg.max_num_tokens
-    ex_b, exs_b, c_b, y_b = (local_blocks(ex, L), local_blocks(exs, L), local_blocks(counts, L),
-                             local_blocks(y, m))
+    rows = cfg.max_recv_total if a2a.layout == "packed" else L
+    ex_b, exs_b, c_b, y_b = (local_blocks(ex, rows), local_blocks(exs, rows),
+                             local_blocks(counts, L), local_blocks(y, m))
     worst = 0.0
     for rank in sorted(y_b):
-        scales = exs_b[rank] if cfg.is_fp8 else None
-        check_dispatch(cfg, inp, rank, ex_b[rank], scales, c_b[rank])
+        ex_r, scales = ex_b[rank], (exs_b[rank] if cfg.is_fp8 else None)
+        if a2a.layout == "packed":
+            ex_r = unpack(cfg, ex_r, c_b[rank])
+            scales = None if scales is None else unpack(cfg, scales, c_b[rank])
+        check_dispatch(cfg, inp, rank, ex_r, scales, c_b[rank])
         worst = max(worst, check_combine(cfg, inp, rank, y_b[rank]))
     return worst
 

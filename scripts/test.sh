@@ -4,6 +4,7 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 cd "$ROOT"
+bash scripts/bazel_check.sh  # BUILD.bazel: buildifier, then Bazel builds _native.so and tests it
 # .venv/bin/pytest (not python -m pytest) keeps the source tree off sys.path, so the tests
 # import the installed package with its native module.
 set +e

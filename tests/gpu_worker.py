@@ -11,40 +11,21 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import traceback
 
 import jax_moe_comm.distributed as dist
+from gpu_harness import Suite, clear_runtime_tokens, run_cycle
 
 RANK, WORLD = dist.initialize()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jax_moe_comm import (AllToAll, InvalidRoutingError, MoEConfig, PeerTimeoutError,  # noqa: E402
-                          testing as T)
+from jax_moe_comm import (AllToAll, InvalidRoutingError, MoEConfig,  # noqa: E402
+                          PeerAbortedError, PeerTimeoutError, testing as T)
 
 bf16, fp8, f32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
-failures: list[str] = []
-
-
-def log(msg: str) -> None:
-    if RANK == 0:
-        print(msg, flush=True)
-
-
-def case(name: str):
-    def wrap(fn):
-        def run(*args, **kwargs):
-            t0 = time.time()
-            try:
-                detail = fn(*args, **kwargs)
-                log(f"PASS {name} ({time.time() - t0:.1f}s){' ' + detail if detail else ''}")
-            except Exception as e:  # noqa: BLE001 - report every case, then fail at the end
-                failures.append(name)
-                print(f"FAIL {name} on rank {RANK}: {type(e).__name__}: {e}", flush=True)
-                traceback.print_exc()
-        return run
-    return wrap
+suite = Suite(RANK)
+log = suite.log
 
 
 def configs(quick: bool):
@@ -80,7 +61,7 @@ def main() -> int:
     log(f"world={WORLD} devices={jax.devices()} backend={jax.default_backend()}")
 
     for name, cfg in configs(args.quick):
-        @case(f"EP{WORLD}-{name}")
+        @suite.case(f"EP{WORLD}-{name}")
         def run_config(cfg=cfg):
             with AllToAll(cfg, backend="nvshmem") as a2a:
                 fused, split = T.make_step(a2a, mesh), T.make_step(a2a, mesh, split=True)
@@ -93,20 +74,18 @@ def main() -> int:
                 a2a.check()
                 mib = a2a.symmetric_bytes / 2**20
                 return f"max|err|={worst:.3g} symmetric={mib:.1f} MiB/rank"
-        run_config()
 
     tiny = configs(True)[0][1]
 
-    @case(f"EP{WORLD}-{args.steps}-steps-one-handle")
+    @suite.case(f"EP{WORLD}-{args.steps}-steps-one-handle")
     def many_steps():
         with AllToAll(tiny, backend="nvshmem") as a2a:
             step = T.make_step(a2a, mesh)
             for i in range(args.steps):
                 T.run_and_check(a2a, mesh, T.make_inputs(tiny, 7919 * i + 1), step=step)
             a2a.check()
-    many_steps()
 
-    @case(f"EP{WORLD}-two-handles")
+    @suite.case(f"EP{WORLD}-two-handles")
     def two_handles():
         other = configs(True)[1][1]
         with AllToAll(tiny, backend="nvshmem") as a, AllToAll(other, backend="nvshmem") as b:
@@ -116,45 +95,46 @@ def main() -> int:
                 T.run_and_check(b, mesh, T.make_inputs(other, 100 + i), step=sb)
             a.check()
             b.check()
-    two_handles()
 
-    @case(f"EP{WORLD}-bad-expert-index-reported")
+    @suite.case(f"EP{WORLD}-bad-expert-index-reported")
     def bad_index():
         with AllToAll(tiny, backend="nvshmem") as a2a:
             inp = T.make_inputs(tiny, 5, "bad_index")
             step = T.make_step(a2a, mesh)
-            jax.block_until_ready(step(*T.global_inputs(tiny, mesh, inp)))
+            run_cycle(step, T.global_inputs(tiny, mesh, inp), RANK)
             holds_bad_token = RANK // tiny.dp_size == 0
+            # The rank holding the bad token raises InvalidRoutingError; its abort word makes
+            # every other rank raise PeerAbortedError naming it.
             try:
                 a2a.check()
-                raised = False
-            except InvalidRoutingError as e:
-                raised = True
+                raised = None
+            except (InvalidRoutingError, PeerAbortedError) as e:
+                raised = type(e)
                 print(f"rank {RANK} reported: {e}", flush=True)
-            assert raised == holds_bad_token, f"rank {RANK}: raised={raised}"
-    bad_index()
+            want = InvalidRoutingError if holds_bad_token else PeerAbortedError
+            assert raised is want, f"rank {RANK}: raised {raised}, expected {want}"
 
     if WORLD >= 2:
-        @case(f"EP{WORLD}-silent-peer-times-out")
+        @suite.case(f"EP{WORLD}-silent-peer-times-out")
         def silent_peer():
             with AllToAll(tiny, backend="nvshmem", timeout_s=2.0) as a2a:
                 step = T.make_step(a2a, mesh)
                 if RANK != WORLD - 1:  # the last rank never takes part
                     t0 = time.time()
-                    jax.block_until_ready(step(*T.global_inputs(tiny, mesh,
-                                                                T.make_inputs(tiny, 3))))
+                    run_cycle(step, T.global_inputs(tiny, mesh, T.make_inputs(tiny, 3)), RANK)
                     waited = time.time() - t0
                     try:
                         a2a.check()
-                        raise AssertionError("no PeerTimeoutError")
-                    except PeerTimeoutError as e:
+                        raise AssertionError("no PeerTimeoutError / PeerAbortedError")
+                    except (PeerTimeoutError, PeerAbortedError) as e:
+                        # The first rank to time out reports it; the abort word it sends makes
+                        # the others stop at once with PeerAborted naming that rank.
                         print(f"rank {RANK} after {waited:.1f}s: {e}", flush=True)
                 else:
                     # Still compile the step: shapes must agree, but nothing is executed.
                     step.lower(*T.global_inputs(tiny, mesh, T.make_inputs(tiny, 3)))
-        silent_peer()
 
-    @case(f"EP{WORLD}-protocol-misuse-reported")
+    @suite.case(f"EP{WORLD}-protocol-misuse-reported")
     def misuse():
         with AllToAll(tiny, backend="nvshmem") as a2a:
             spec = jax.sharding.PartitionSpec("ep")
@@ -172,15 +152,9 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 - XLA wraps the handler's error
                 assert "ProtocolError" in str(e), str(e)
             finally:
-                # JAX keeps the failed execution's runtime token and re-raises it at every
-                # later effectful call and at exit; this failure was the point of the test.
-                from jax._src import dispatch
-                dispatch.runtime_tokens.clear()
-    misuse()
+                clear_runtime_tokens()
 
-    ok = not failures
-    log("GPU SUITE " + ("PASSED" if ok else f"FAILED: {failures}"))
-    return 0 if ok else 1
+    return suite.finish("GPU SUITE")
 
 
 if __name__ == "__main__":

@@ -363,6 +363,22 @@ def test_layer_gradients_on_shuffled_rows_are_finite_and_equal_dense():
     T.compare_layer_grads(*moe, *dense, range(world), cfg.num_experts // world)
 
 
+@pytest.mark.parametrize("name", ["dropped-slots", "dp2", "fp8"])
+def test_layer_gradients_on_the_packed_layout_equal_dense(name):
+    """layout="packed" (issue 12) on a differentiable handle: the packing is a gather from the
+    padded rows the gradient rules produce, so jax.grad goes through pack_rows/unpack_rows and
+    ragged_dot; rows shuffled and NaN padding as on nvshmem."""
+    cfg, drop_rate, _, _ = LAYER_CASES[name]
+    world = 8
+    mesh = T.make_mesh(world)
+    a2a = ShuffledAllToAll(cfg.comm_config(world), differentiable=True, layout="packed")
+    params = [init_params(cfg, 4)]
+    x, nt, G, drop = T.layer_grad_inputs(cfg, world, 6, drop_rate)
+    moe = T.run_layer_grads(a2a, cfg, mesh, params, x, nt, G, drop)
+    dense = T.dense_layer_grads(cfg, params, x, nt, G, drop)
+    T.compare_layer_grads(*moe, *dense, range(world), cfg.num_experts // world, cfg.dp_size)
+
+
 # -- padding, expert_weights ----------------------------------------------------------------
 @pytest.mark.parametrize("differentiable", [False, True])
 def test_padding_rows_zero_on_differentiable_handles(differentiable):
@@ -399,7 +415,7 @@ def test_dispatch_returns_each_rows_router_weight():
 
     def body(x, idx, w, nt):
         out = a2a.dispatch(x, idx, nt.reshape(()), weights=w)
-        return out.expert_weights, a2a.backend.row_keys(out.routing), out.expert_num_tokens
+        return out.expert_weights, a2a.backend.row_keys(out.routing.backend), out.expert_num_tokens
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 4, out_specs=P("ep")))
     ew, keys, counts = (np.asarray(a) for a in f(x, idx, w, nt))

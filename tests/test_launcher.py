@@ -1,5 +1,6 @@
 """The launcher: multi-process CPU runs, rank-prefixed output, failure and timeout handling."""
 
+import inspect
 import os
 import subprocess
 import sys
@@ -44,12 +45,39 @@ def test_timeout_kills_every_rank():
 
 
 def test_environment_for_children():
-    code = ("import os; print(os.environ['JAX_MOE_COMM_PROCESS_ID'], "
-            "os.environ['JAX_MOE_COMM_NUM_PROCESSES'], os.environ['JAX_PLATFORMS'], "
-            "os.environ['NVSHMEM_DISABLE_NVLS'], flush=True)")
+    code = ("import os; e = os.environ; print(e['JAX_PROCESS_ID'], e['JAX_NUM_PROCESSES'], "
+            "e['JAX_COORDINATOR_ADDRESS'] == e['JAX_MOE_COMM_COORDINATOR'], "
+            "e['JAX_MOE_COMM_PROCESS_ID'], e['JAX_PLATFORMS'], "
+            "e['JAX_CPU_COLLECTIVES_IMPLEMENTATION'], e['NVSHMEM_DISABLE_NVLS'], flush=True)")
     r = launch("-n", "2", "--platform", "cpu", "--", sys.executable, "-c", code, timeout=60)
     assert r.returncode == 0, r.stdout
-    assert "[rank 0] 0 2 cpu 1" in r.stdout and "[rank 1] 1 2 cpu 1" in r.stdout
+    assert "[rank 0] 0 2 True 0 cpu gloo 1" in r.stdout, r.stdout
+    assert "[rank 1] 1 2 True 1 cpu gloo 1" in r.stdout, r.stdout
+
+
+def test_plain_jax_distributed_initialize_works_under_the_launcher():
+    r = launch("-n", "2", "--platform", "cpu", "--timeout", "240", "--",
+               sys.executable, os.path.join(HERE, "plain_init_worker.py"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] plain init: process {rank} of 2, bfloat16 ok" in r.stdout, r.stdout
+
+
+def test_launcher_variables_win_over_a_surrounding_slurm_job(monkeypatch):
+    """Inside a SLURM allocation the children inherit SLURM_*; the launcher's layout wins."""
+    from jax._src import clusters
+
+    import jax_moe_comm  # noqa: F401 - registers the environment
+
+    for k, v in dict(SLURM_JOB_ID="7", SLURM_NTASKS="16", SLURM_PROCID="3", SLURM_LOCALID="3",
+                     SLURM_STEP_NODELIST="node1", JAX_COORDINATOR_ADDRESS="127.0.0.1:1",
+                     JAX_NUM_PROCESSES="4", JAX_PROCESS_ID="2").items():
+        monkeypatch.setenv(k, v)
+    detect = clusters.ClusterEnv.auto_detect_unset_distributed_params
+    rest = [None] * (len(inspect.signature(detect).parameters) - 4)  # method[, timeout]
+    assert tuple(detect(None, None, None, None, *rest)[:3]) == ("127.0.0.1:1", 4, 2)
+    monkeypatch.delenv("JAX_PROCESS_ID")  # not launched by us: SLURM's layout again
+    assert detect(None, None, None, None, *rest)[1:3] == (16, 3)
 
 
 @pytest.mark.parametrize("args, msg", [(["-n", "2"], "usage"),

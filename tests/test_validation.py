@@ -15,7 +15,7 @@ BASE = dict(num_experts=16, experts_per_token=4, hidden=256, max_num_tokens=8, w
 @pytest.mark.parametrize("changes, match", [
     (dict(experts_per_token=17), "experts_per_token=17 exceeds num_experts=16"),
     (dict(num_experts=12), "num_experts=12 is not divisible by the 8 ranks"),
-    (dict(dp_size=3), "world_size=8 is not divisible by dp_size=3"),
+    (dict(token_replicas=3), "world_size=8 is not divisible by token_replicas=3"),
     (dict(hidden=100), "hidden=100 gives 200-byte bfloat16 rows"),
     (dict(hidden=200, dispatch_dtype=jnp.float8_e4m3fn), "200-byte float8_e4m3fn rows"),
     (dict(hidden=144, dispatch_dtype=jnp.float8_e4m3fn), "not a multiple of the fp8 scale block"),

@@ -2,6 +2,8 @@
 // reads it without a device sync. The first error wins; later ones are dropped.
 #pragma once
 
+#include <cuda_runtime.h>  // __host__ __device__
+
 #include <cstdint>
 
 namespace jmc {
@@ -11,6 +13,8 @@ enum ErrorCode : uint32_t {
   kPeerTimeout = 1,     // a bounded wait for a peer ran out
   kBadExpertIndex = 2,  // an expert index outside [-1, num_experts)
   kBadNumTokens = 3,    // num_tokens outside [0, max_num_tokens]
+  kCorruptData = 4,     // a value read from a peer or from routing is out of range (`what`)
+  kPeerAborted = 5,     // a peer reported an error first (its abort word reached us)
 };
 
 enum Phase : uint32_t {
@@ -22,27 +26,55 @@ enum Phase : uint32_t {
   kPhaseBarrier = 5,
 };
 
-struct ErrorRecord {
-  uint32_t code;
-  uint32_t phase;
-  int32_t peer;      // rank waited for, or -1
-  int32_t token;     // token index involved, or -1
-  uint64_t expected; // value waited for / bad value seen
-  uint64_t seen;     // last value read
+// What a kCorruptData or kPeerTimeout record is about.
+enum What : uint32_t {
+  kWhatNone = 0,
+  kWhatAck = 1,        // a receiver's "done reading" acknowledgement
+  kWhatCount = 2,      // a sender's record count
+  kWhatRecord = 3,     // a token record's flag or header
+  kWhatRow = 4,        // an expert row: the row index, its source, or its flag
+  kWhatEpoch = 5,      // a flag carrying another cycle's epoch
+  kWhatExpertCount = 6,  // expert_num_tokens handed to combine
 };
 
+struct ErrorRecord {
+  uint32_t code;      // written last: the host reads it without a sync
+  uint32_t phase;
+  int32_t peer;       // rank waited for or reporting, or -1
+  int32_t token;      // token index involved, or -1
+  uint64_t expected;  // value waited for / allowed bound
+  uint64_t seen;      // last value read / bad value
+  uint32_t what;
+  uint32_t claimed;   // first-wins ticket, so the fields are whole before `code` is set
+};
+
+// The abort word a failing rank SETs on every peer: (error code << 32) | (rank + 1).
+__host__ __device__ inline uint64_t abort_value(uint32_t code, int rank) {
+  return (static_cast<uint64_t>(code) << 32) | static_cast<uint32_t>(rank + 1);
+}
+__host__ __device__ inline int abort_rank(uint64_t word) {
+  return static_cast<int>(word & 0xffffffffu) - 1;
+}
+__host__ __device__ inline uint32_t abort_code(uint64_t word) {
+  return static_cast<uint32_t>(word >> 32);
+}
+
 #ifdef __CUDACC__
-__device__ __forceinline__ void record_error(ErrorRecord* rec, ErrorCode code, Phase phase,
+// Returns true in the one thread whose error was recorded (the first on this rank).
+__device__ __forceinline__ bool record_error(ErrorRecord* rec, ErrorCode code, Phase phase,
                                              int peer, int token, uint64_t expected,
-                                             uint64_t seen) {
-  if (atomicCAS(&rec->code, 0u, static_cast<uint32_t>(code)) == 0u) {
-    rec->phase = phase;
-    rec->peer = peer;
-    rec->token = token;
-    rec->expected = expected;
-    rec->seen = seen;
-    __threadfence_system();
-  }
+                                             uint64_t seen, What what) {
+  if (atomicCAS(&rec->claimed, 0u, 1u) != 0u) return false;
+  rec->phase = phase;
+  rec->peer = peer;
+  rec->token = token;
+  rec->expected = expected;
+  rec->seen = seen;
+  rec->what = what;
+  __threadfence_system();
+  *reinterpret_cast<volatile uint32_t*>(&rec->code) = static_cast<uint32_t>(code);
+  __threadfence_system();
+  return true;
 }
 #endif
 

@@ -1,21 +1,28 @@
 // The one place that knows where everything lives in a handle's symmetric buffer.
 //
-// One nvshmem_malloc per handle, carved into (all offsets 128-byte aligned):
-//   dispatch_count   [G]            u64  sender of group g SETs count+1 (0 = not yet)
-//   dispatch_arrived [G]            u64  +1 per token record put by the sender of group g
-//   combine_flag     [world]        u64  peer p SETs 1 when it entered combine_send
-//   combine_arrived  [max_m]        u64  +1 per expert row put back for token t
-//   barrier_flag     [world]        u64  peer p SETs its barrier epoch
-//   send_records     [max_m]        record  this rank's packed tokens (put source)
-//   recv_records     [G][max_m]     record  tokens from the sender of group g, compacted
-//   combine_rows     [max_m][k]     row of combine dtype  expert output for slot (t, j)
+// One nvshmem_malloc per handle, carved into (every offset 128-byte aligned). Flags come first
+// and are zeroed once at creation; no flag is ever reset, every one carries the cycle's epoch
+// (1, 2, ...), so a late write of cycle i can never satisfy a wait of cycle i + 1.
 //
-// A token record: header (int32 token index, int32 expert ids [k]) padded to 16 bytes,
-// then H elements of the dispatch dtype, then the f32 block scales padded to 16 bytes.
+//   abort_word      [1]            u64  a failing rank SETs abort_value(code, rank) here, everywhere
+//   dispatch_count  [G]            u64  sender of group g SETs (epoch << 32) | records it sent
+//   dispatch_flag   [G][max_m]     u64  record slot (g, i) SET to epoch after its bytes
+//   dispatch_ack    [world]        u64  receiver r SETs epoch once it has read our records
+//   combine_flag    [max_m][k]     u64  slot (t, j) SET to epoch after its expert row
+//   combine_ack     [world]        u64  home rank h SETs epoch once it has read our rows
+//   barrier_flag    [world]        u64  benchmark barrier: rank p SETs its barrier epoch
+//   recv_records    [G][max_m]     record  tokens from the sender of group g, in slot order
+//   combine_rows    [max_m][k]     row (combine dtype)  the expert output of slot (t, j)
+//   send_records    [max_m][G]     record  staged put sources (only when a peer is not P2P)
+//   combine_staging [G*max_m*min(k,L)] row  staged put sources (only when a peer is not P2P)
+//
+// A token record: header (int32 token index, int32 expert ids [k], f32 weights [k]) padded to
+// 16 bytes, then H elements of the dispatch dtype, then the f32 block scales padded to 16 bytes.
 #pragma once
 
 #include <cuda_runtime.h>  // __host__ __device__
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -25,9 +32,9 @@ struct Shape {
   int num_experts;
   int experts_per_token;  // k
   int hidden;
-  int max_num_tokens;     // max_m
+  int max_num_tokens;     // max_m, per rank
   int world_size;
-  int dp_size;
+  int dp_size;            // ranks per group that hold the same tokens
   int in_elem_bytes;      // 1 (fp8) or 2 (bf16)
   int num_scales;         // f32 scales per token, 0 for bf16
   int out_elem_bytes;     // 2 (bf16) or 4 (f32) for expert_y
@@ -35,6 +42,11 @@ struct Shape {
   __host__ __device__ int num_local_experts() const { return num_experts / world_size; }
   __host__ __device__ int num_dp_groups() const { return world_size / dp_size; }
   __host__ __device__ int max_recv_tokens() const { return max_num_tokens * num_dp_groups(); }
+  // Rows one rank can hold in all: a token sends at most min(k, L) rows to one rank.
+  __host__ __device__ int max_recv_rows() const {
+    const int k = experts_per_token, L = num_local_experts();
+    return num_dp_groups() * max_num_tokens * (k < L ? k : L);
+  }
 };
 
 __host__ __device__ constexpr size_t round_up(size_t x, size_t to) {
@@ -42,14 +54,14 @@ __host__ __device__ constexpr size_t round_up(size_t x, size_t to) {
 }
 
 struct RecordLayout {
-  uint32_t header_bytes;   // token index + k expert ids
+  uint32_t header_bytes;   // token index + k expert ids + k weights
   uint32_t payload_bytes;  // H * in_elem_bytes
   uint32_t scale_bytes;    // num_scales * 4, padded
   uint32_t bytes;          // whole record, a multiple of 16
 
   static RecordLayout of(const Shape& s) {
     RecordLayout r;
-    r.header_bytes = static_cast<uint32_t>(round_up(4 * (1 + s.experts_per_token), 16));
+    r.header_bytes = static_cast<uint32_t>(round_up(4 * (1 + 2 * s.experts_per_token), 16));
     r.payload_bytes = static_cast<uint32_t>(s.hidden) * s.in_elem_bytes;
     r.scale_bytes = static_cast<uint32_t>(round_up(4 * s.num_scales, 16));
     r.bytes = r.header_bytes + r.payload_bytes + r.scale_bytes;
@@ -58,24 +70,34 @@ struct RecordLayout {
 };
 
 // Pointers into one rank's symmetric buffer. The same offsets hold on every rank, so a
-// local pointer from here is also the remote address to hand to nvshmem puts.
+// local pointer from here is also the remote address to hand to nvshmem (or nvshmem_ptr).
 struct SymmetricLayout {
+  uint64_t* abort_word;
   uint64_t* dispatch_count;
-  uint64_t* dispatch_arrived;
+  uint64_t* dispatch_flag;
+  uint64_t* dispatch_ack;
   uint64_t* combine_flag;
-  uint64_t* combine_arrived;
+  uint64_t* combine_ack;
   uint64_t* barrier_flag;
-  uint8_t* send_records;
   uint8_t* recv_records;
   uint8_t* combine_rows;
+  uint8_t* send_records;     // nullptr unless staged
+  uint8_t* combine_staging;  // nullptr unless staged
   RecordLayout record;
   uint32_t combine_row_bytes;  // H * out_elem_bytes
+  int num_groups;              // G
+  int max_m;
+  int k;
 
-  // Lays the buffer out over `base` (nullptr: only computes the size).
-  static SymmetricLayout carve(const Shape& s, void* base, size_t* total_bytes) {
+  // Lays the buffer out over `base` (nullptr: only computes the size). `staged`: some peer is
+  // not reachable by load/store, so puts to it need symmetric sources.
+  static SymmetricLayout carve(const Shape& s, bool staged, void* base, size_t* total_bytes) {
     SymmetricLayout l;
     l.record = RecordLayout::of(s);
     l.combine_row_bytes = static_cast<uint32_t>(s.hidden) * s.out_elem_bytes;
+    l.num_groups = s.num_dp_groups();
+    l.max_m = s.max_num_tokens;
+    l.k = s.experts_per_token;
     uint8_t* p = static_cast<uint8_t*>(base);
     size_t off = 0;
     auto take = [&](size_t bytes) {
@@ -83,38 +105,58 @@ struct SymmetricLayout {
       off = round_up(off + bytes, 128);
       return at;
     };
-    const size_t G = s.num_dp_groups(), m = s.max_num_tokens, k = s.experts_per_token;
-    l.dispatch_count = reinterpret_cast<uint64_t*>(take(8 * G));
-    l.dispatch_arrived = reinterpret_cast<uint64_t*>(take(8 * G));
-    l.combine_flag = reinterpret_cast<uint64_t*>(take(8 * s.world_size));
-    l.combine_arrived = reinterpret_cast<uint64_t*>(take(8 * m));
-    l.barrier_flag = reinterpret_cast<uint64_t*>(take(8 * s.world_size));
-    l.send_records = take(m * l.record.bytes);
+    auto take_u64 = [&](size_t n) { return reinterpret_cast<uint64_t*>(take(8 * n)); };
+    const size_t G = l.num_groups, m = l.max_m, k = l.k, W = s.world_size;
+    l.abort_word = take_u64(1);
+    l.dispatch_count = take_u64(G);
+    l.dispatch_flag = take_u64(G * m);
+    l.dispatch_ack = take_u64(W);
+    l.combine_flag = take_u64(m * k);
+    l.combine_ack = take_u64(W);
+    l.barrier_flag = take_u64(W);
+    l.flag_bytes_ = off;
     l.recv_records = take(G * m * l.record.bytes);
     l.combine_rows = take(m * k * l.combine_row_bytes);
+    l.send_records = staged ? take(m * G * l.record.bytes) : nullptr;
+    l.combine_staging =
+        staged ? take(static_cast<size_t>(s.max_recv_rows()) * l.combine_row_bytes) : nullptr;
     *total_bytes = off;
     return l;
   }
   // Bytes at the front that hold flags and counters (zeroed once at creation).
-  size_t flag_bytes() const {
-    return static_cast<size_t>(send_records - reinterpret_cast<uint8_t*>(dispatch_count));
-  }
+  size_t flag_bytes() const { return flag_bytes_; }
 
-  __host__ __device__ uint8_t* send_record(int t) const {
-    return send_records + static_cast<size_t>(t) * record.bytes;
-  }
-  __host__ __device__ uint8_t* recv_record(int group, int slot, int max_m) const {
+  __host__ __device__ uint8_t* recv_record(int group, int slot) const {
     return recv_records + (static_cast<size_t>(group) * max_m + slot) * record.bytes;
   }
-  __host__ __device__ uint8_t* combine_row(int t, int j, int k) const {
+  __host__ __device__ uint64_t* record_flag(int group, int slot) const {
+    return dispatch_flag + static_cast<size_t>(group) * max_m + slot;
+  }
+  __host__ __device__ uint8_t* send_record(int t, int group_index) const {
+    return send_records + (static_cast<size_t>(t) * num_groups + group_index) * record.bytes;
+  }
+  __host__ __device__ uint8_t* combine_row(int t, int j) const {
     return combine_rows + (static_cast<size_t>(t) * k + j) * combine_row_bytes;
   }
+  __host__ __device__ uint64_t* slot_flag(int t, int j) const {
+    return combine_flag + static_cast<size_t>(t) * k + j;
+  }
+  __host__ __device__ uint8_t* staged_row(int i) const {
+    return combine_staging + static_cast<size_t>(i) * combine_row_bytes;
+  }
+
+  size_t flag_bytes_ = 0;
 };
 
 // Where an expert row came from, packed into one int32 of row_source: (group, token, slot).
 __host__ __device__ inline int32_t pack_source(int group, int token, int slot, int max_m,
                                                int k) {
   return (group * max_m + token) * k + slot;
+}
+
+// A dispatch count word: the epoch it belongs to and the number of records.
+__host__ __device__ inline uint64_t count_word(uint64_t epoch, uint32_t count) {
+  return (epoch << 32) | count;
 }
 
 }  // namespace jmc

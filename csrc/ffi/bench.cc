@@ -16,10 +16,11 @@ namespace {
 // Only between whole cycles: the barrier shares no counters with dispatch/combine.
 ffi::Error Barrier(cudaStream_t stream, int64_t handle, ffi::AnyBuffer dep,
                    ffi::Result<ffi::AnyBuffer> out) {
-  Handle* h = nullptr;
-  JMC_RETURN_IF_ERROR(enter(handle, Stage::kIdle, Stage::kIdle, "barrier", &h));
-  BarrierParams p{h->common(), ++h->barrier_epoch};
+  Call h;
+  JMC_RETURN_IF_ERROR(begin(handle, Op::kBarrier, &h));
+  const BarrierParams p{h->common(), h->barrier_epoch + 1};
   JMC_RETURN_IF_CUDA_ERROR(launch_barrier(p, stream));
+  ++h->barrier_epoch;
   return ffi::Error::Success();
 }
 
@@ -27,7 +28,7 @@ ffi::Error Barrier(cudaStream_t stream, int64_t handle, ffi::AnyBuffer dep,
 // result out (for the correctness check); timing runs use copy = 0 (the a2a alone).
 ffi::Error DenseAllToAll(cudaStream_t stream, int64_t handle, int64_t copy, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out) {
-  DenseHandle* h = find_dense_handle(handle);
+  const std::shared_ptr<DenseHandle> h = find_dense_handle(handle);
   if (h == nullptr)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "no dense all-to-all handle " + std::to_string(handle));

@@ -15,31 +15,42 @@ namespace {
 ffi::Error CombineSend(cudaStream_t stream, int64_t handle, ffi::AnyBuffer expert_y,
                        ffi::Buffer<ffi::S32> expert_num_tokens,
                        ffi::Buffer<ffi::S32> row_source, ffi::Result<ffi::AnyBuffer> ticket) {
-  Handle* h = nullptr;
-  JMC_RETURN_IF_ERROR(
-      enter(handle, Stage::kDispatchReceived, Stage::kCombineSent, "combine_send", &h));
+  Call h;
+  JMC_RETURN_IF_ERROR(begin(handle, Op::kCombineSend, &h));
   const Shape& s = h->shape;
   const size_t rows = size_t(s.num_local_experts()) * s.max_recv_tokens();
   JMC_RETURN_IF_ERROR(check_bytes("expert_y", expert_y.size_bytes(),
                                   rows * s.hidden * s.out_elem_bytes));
-  CombineSendParams p{h->common(), static_cast<const uint8_t*>(expert_y.untyped_data()),
-                      expert_num_tokens.typed_data(), row_source.typed_data()};
-  JMC_RETURN_IF_CUDA_ERROR(
-      timed(*h, 2, stream, [&] { return launch_combine_send(p, h->launch, stream); }));
+  JMC_RETURN_IF_ERROR(check_bytes("expert_num_tokens", expert_num_tokens.size_bytes(),
+                                  size_t(s.num_local_experts()) * 4));
+  JMC_RETURN_IF_ERROR(check_bytes("row_source", row_source.size_bytes(), rows * 4));
+  const CombineSendParams p{h->common(), static_cast<const uint8_t*>(expert_y.untyped_data()),
+                            expert_num_tokens.typed_data(), row_source.typed_data()};
+  JMC_RETURN_IF_CUDA_ERROR(launch_combine_send(p, h->launch[kCombineSendKernel], stream));
+  commit(h, Op::kCombineSend);
   return ffi::Error::Success();
 }
 
 ffi::Error CombineRecv(cudaStream_t stream, int64_t handle, ffi::AnyBuffer ticket,
                        ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::F32> weights,
-                       ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> y) {
-  Handle* h = nullptr;
-  JMC_RETURN_IF_ERROR(enter(handle, Stage::kCombineSent, Stage::kIdle, "combine_recv", &h));
+                       ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> y,
+                       ffi::Result<ffi::AnyBuffer> slot_rows) {
+  Call h;
+  JMC_RETURN_IF_ERROR(begin(handle, Op::kCombineRecv, &h));
   const Shape& s = h->shape;
-  JMC_RETURN_IF_ERROR(check_bytes("y", y->size_bytes(), size_t(s.max_num_tokens) * s.hidden * 2));
-  CombineRecvParams p{h->common(), indices.typed_data(), weights.typed_data(),
-                      num_tokens.typed_data(), static_cast<uint16_t*>(y->untyped_data())};
-  JMC_RETURN_IF_CUDA_ERROR(
-      timed(*h, 3, stream, [&] { return launch_combine_recv(p, h->launch, stream); }));
+  const size_t m = s.max_num_tokens, k = s.experts_per_token;
+  JMC_RETURN_IF_ERROR(check_bytes("indices", indices.size_bytes(), m * k * 4));
+  JMC_RETURN_IF_ERROR(check_bytes("weights", weights.size_bytes(), m * k * 4));
+  JMC_RETURN_IF_ERROR(check_bytes("num_tokens", num_tokens.size_bytes(), 4));
+  JMC_RETURN_IF_ERROR(check_bytes("y", y->size_bytes(), m * s.hidden * 2));
+  JMC_RETURN_IF_ERROR(check_optional_bytes("slot_rows", slot_rows->size_bytes(),
+                                           m * k * s.hidden * s.out_elem_bytes));
+  const CombineRecvParams p{
+      h->common(), indices.typed_data(), weights.typed_data(), num_tokens.typed_data(),
+      static_cast<uint16_t*>(y->untyped_data()),
+      slot_rows->size_bytes() ? static_cast<uint8_t*>(slot_rows->untyped_data()) : nullptr};
+  JMC_RETURN_IF_CUDA_ERROR(launch_combine_recv(p, h->launch[kCombineRecvKernel], stream));
+  commit(h, Op::kCombineRecv);
   return ffi::Error::Success();
 }
 
@@ -62,6 +73,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCombineRecv, CombineRecv,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // indices
                                   .Arg<ffi::Buffer<ffi::F32>>()  // weights
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens
-                                  .Ret<ffi::AnyBuffer>());       // y
+                                  .Ret<ffi::AnyBuffer>()         // y
+                                  .Ret<ffi::AnyBuffer>());       // slot_rows (0 bytes: none)
 
 }  // namespace jmc

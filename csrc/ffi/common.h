@@ -1,6 +1,9 @@
-// What every handler does first: find the handle, refuse a poisoned one, check the stage.
+// What every handler does first and last: find the handle and hold its lock, refuse a poisoned
+// one, check which half is in flight; after a successful launch, commit the new state.
 #pragma once
 
+#include <memory>
+#include <mutex>
 #include <string>
 
 #include "handle.h"
@@ -9,54 +12,89 @@
 
 namespace jmc {
 
-inline const char* stage_name(Stage s) {
-  switch (s) {
-    case Stage::kIdle: return "idle";
-    case Stage::kDispatchSent: return "dispatch sent";
-    case Stage::kDispatchReceived: return "dispatch received";
-    case Stage::kCombineSent: return "combine sent";
+enum class Op { kDispatchSend, kDispatchRecv, kCombineSend, kCombineRecv, kBarrier };
+
+inline const char* op_name(Op op) {
+  switch (op) {
+    case Op::kDispatchSend: return "dispatch_send";
+    case Op::kDispatchRecv: return "dispatch_recv";
+    case Op::kCombineSend: return "combine_send";
+    case Op::kCombineRecv: return "combine_recv";
+    case Op::kBarrier: return "barrier";
   }
   return "?";
 }
 
-// Looks up `id`, returns an error if the kernels recorded one in an earlier cycle (read from
-// pinned memory, no sync) or if the handle is not in stage `expected`; on success moves it to `next`.
-inline xla::ffi::Error enter(int64_t id, Stage expected, Stage next, const char* op,
-                             Handle** out) {
-  Handle* h = find_handle(id);
-  if (h == nullptr)
+// A handler's hold on its handle: the handle stays alive (shared_ptr, close() cannot free it
+// under us) and locked for the whole call.
+struct Call {
+  std::shared_ptr<Handle> handle;
+  std::unique_lock<std::mutex> lock;
+  Handle* operator->() const { return handle.get(); }
+};
+
+inline xla::ffi::Error protocol_error(Op op, int64_t id, const std::string& why) {
+  return xla::ffi::Error(xla::ffi::ErrorCode::kFailedPrecondition,
+                         std::string("ProtocolError: ") + op_name(op) + " on handle " +
+                             std::to_string(id) + ": " + why);
+}
+
+// Looks up `id`, refuses it if the kernels recorded an error (read from pinned memory, no
+// sync: the kernels of a poisoned handle do nothing, so refusing at any stage is safe) or if
+// `op` is out of order. Each half (dispatch, combine) is its own channel: send, then recv.
+inline xla::ffi::Error begin(int64_t id, Op op, Call* call) {
+  call->handle = find_handle(id);
+  if (call->handle == nullptr)
     return xla::ffi::Error(xla::ffi::ErrorCode::kInvalidArgument,
-                           std::string(op) + ": no all-to-all handle " + std::to_string(id) +
+                           std::string(op_name(op)) + ": no all-to-all handle " +
+                               std::to_string(id) +
                                " (closed, or created in another order on this process)");
-  // A recorded error refuses the next cycle, never the rest of the current one: the peers
-  // are mid-cycle too, and aborting here would leave them waiting for our half.
-  const std::string recorded = expected == Stage::kIdle ? describe_error(*h->error_host) : "";
+  call->lock = std::unique_lock<std::mutex>(call->handle->mutex);
+  Handle& h = *call->handle;
+  if (h.closed) return protocol_error(op, id, "the handle is closed");
+  if (!h.create_error.empty())
+    return protocol_error(op, id, "its creation failed: " + h.create_error);
+  const std::string recorded = describe_error(*h.error_host, h.rank);
   if (!recorded.empty())
     return xla::ffi::Error(xla::ffi::ErrorCode::kAborted,
-                           recorded + " (handle " + std::to_string(id) + " is unusable)");
-  if (h->stage != expected)
-    return xla::ffi::Error(xla::ffi::ErrorCode::kFailedPrecondition,
-                           std::string("ProtocolError: ") + op + " on handle " +
-                               std::to_string(id) + " in stage '" + stage_name(h->stage) +
-                               "'; expected '" + stage_name(expected) +
-                               "' (dispatch_send -> dispatch_recv -> combine_send -> "
-                               "combine_recv, one cycle at a time)");
-  h->stage = next;
-  *out = h;
+                           recorded + " (handle " + std::to_string(id) +
+                               " is unusable: close it and create a new AllToAll)");
+  switch (op) {
+    case Op::kDispatchSend:
+      if (h.dispatch_in_flight)
+        return protocol_error(op, id, "a dispatch is already in flight (call dispatch_recv "
+                                      "before the next dispatch_send)");
+      break;
+    case Op::kDispatchRecv:
+      if (!h.dispatch_in_flight)
+        return protocol_error(op, id, "no dispatch_send before it");
+      break;
+    case Op::kCombineSend:
+      if (h.combine_in_flight)
+        return protocol_error(op, id, "a combine is already in flight (call combine_recv "
+                                      "before the next combine_send)");
+      break;
+    case Op::kCombineRecv:
+      if (!h.combine_in_flight) return protocol_error(op, id, "no combine_send before it");
+      break;
+    case Op::kBarrier:
+      if (h.dispatch_in_flight || h.combine_in_flight)
+        return protocol_error(op, id, "a dispatch or combine is in flight");
+      break;
+  }
   return xla::ffi::Error::Success();
 }
 
-// Launches `kernel` (a callable returning cudaError_t), bracketed by timestamps when the
-// handle's timing is on.
-template <typename Kernel>
-inline cudaError_t timed(const Handle& h, int phase, cudaStream_t stream, Kernel kernel) {
-  if (h.timing) {
-    const cudaError_t err = launch_timestamp(h.timings + 2 * phase, stream);
-    if (err != cudaSuccess) return err;
+// After the launch succeeded: the half's new state.
+inline void commit(Call& call, Op op) {
+  Handle& h = *call.handle;
+  switch (op) {
+    case Op::kDispatchSend: h.dispatch_in_flight = true; break;
+    case Op::kDispatchRecv: h.dispatch_in_flight = false; break;
+    case Op::kCombineSend: h.combine_in_flight = true; break;
+    case Op::kCombineRecv: h.combine_in_flight = false; break;
+    case Op::kBarrier: break;
   }
-  const cudaError_t err = kernel();
-  if (err != cudaSuccess || !h.timing) return err;
-  return launch_timestamp(h.timings + 2 * phase + 1, stream);
 }
 
 inline xla::ffi::Error check_bytes(const char* name, size_t got, size_t want) {
@@ -64,6 +102,11 @@ inline xla::ffi::Error check_bytes(const char* name, size_t got, size_t want) {
   return xla::ffi::Error(xla::ffi::ErrorCode::kInvalidArgument,
                          std::string(name) + " has " + std::to_string(got) +
                              " bytes; the handle expects " + std::to_string(want));
+}
+
+// An optional operand or result: 0 bytes means "not given".
+inline xla::ffi::Error check_optional_bytes(const char* name, size_t got, size_t want) {
+  return got == 0 ? xla::ffi::Error::Success() : check_bytes(name, got, want);
 }
 
 }  // namespace jmc

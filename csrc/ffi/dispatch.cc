@@ -1,6 +1,7 @@
 // XLA FFI handlers of dispatch_send and dispatch_recv (host code only).
-// No kCmdBufferCompatible trait: the handlers keep per-call host state (the stage, the error
-// check), so XLA must call them on every execution instead of replaying a captured graph.
+// No kCmdBufferCompatible trait: the handlers keep per-call host state (which half is in
+// flight, the error check), so XLA must call them on every execution instead of replaying a
+// captured graph.
 #include <cuda_runtime.h>
 
 #include "core/check.h"
@@ -15,22 +16,24 @@ namespace {
 
 ffi::Error DispatchSend(cudaStream_t stream, int64_t handle, ffi::AnyBuffer x,
                         ffi::AnyBuffer x_scale, ffi::Buffer<ffi::S32> indices,
-                        ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> ticket) {
-  Handle* h = nullptr;
-  JMC_RETURN_IF_ERROR(enter(handle, Stage::kIdle, Stage::kDispatchSent, "dispatch_send", &h));
+                        ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> num_tokens,
+                        ffi::Result<ffi::AnyBuffer> ticket) {
+  Call h;
+  JMC_RETURN_IF_ERROR(begin(handle, Op::kDispatchSend, &h));
   const Shape& s = h->shape;
-  JMC_RETURN_IF_ERROR(check_bytes("x", x.size_bytes(),
-                                  size_t(s.max_num_tokens) * s.hidden * s.in_elem_bytes));
-  JMC_RETURN_IF_ERROR(check_bytes("x_scale", x_scale.size_bytes(),
-                                  size_t(s.max_num_tokens) * s.num_scales * 4));
-  JMC_RETURN_IF_ERROR(check_bytes("indices", indices.size_bytes(),
-                                  size_t(s.max_num_tokens) * s.experts_per_token * 4));
-  DispatchSendParams p{h->common(),
-                       static_cast<const uint8_t*>(x.untyped_data()),
-                       s.num_scales ? static_cast<const float*>(x_scale.untyped_data()) : nullptr,
-                       indices.typed_data(), num_tokens.typed_data()};
-  JMC_RETURN_IF_CUDA_ERROR(
-      timed(*h, 0, stream, [&] { return launch_dispatch_send(p, h->launch, stream); }));
+  const size_t m = s.max_num_tokens, k = s.experts_per_token;
+  JMC_RETURN_IF_ERROR(check_bytes("x", x.size_bytes(), m * s.hidden * s.in_elem_bytes));
+  JMC_RETURN_IF_ERROR(check_bytes("x_scale", x_scale.size_bytes(), m * s.num_scales * 4));
+  JMC_RETURN_IF_ERROR(check_bytes("indices", indices.size_bytes(), m * k * 4));
+  JMC_RETURN_IF_ERROR(check_optional_bytes("weights", weights.size_bytes(), m * k * 4));
+  JMC_RETURN_IF_ERROR(check_bytes("num_tokens", num_tokens.size_bytes(), 4));
+  const DispatchSendParams p{
+      h->common(), static_cast<const uint8_t*>(x.untyped_data()),
+      s.num_scales ? static_cast<const float*>(x_scale.untyped_data()) : nullptr,
+      indices.typed_data(), weights.size_bytes() ? weights.typed_data() : nullptr,
+      num_tokens.typed_data()};
+  JMC_RETURN_IF_CUDA_ERROR(launch_dispatch_send(p, h->launch[kDispatchSendKernel], stream));
+  commit(h, Op::kDispatchSend);
   return ffi::Error::Success();
 }
 
@@ -38,21 +41,26 @@ ffi::Error DispatchRecv(cudaStream_t stream, int64_t handle, ffi::AnyBuffer tick
                         ffi::Result<ffi::AnyBuffer> expert_x,
                         ffi::Result<ffi::AnyBuffer> expert_x_scale,
                         ffi::Result<ffi::Buffer<ffi::S32>> expert_num_tokens,
-                        ffi::Result<ffi::Buffer<ffi::S32>> row_source) {
-  Handle* h = nullptr;
-  JMC_RETURN_IF_ERROR(
-      enter(handle, Stage::kDispatchSent, Stage::kDispatchReceived, "dispatch_recv", &h));
+                        ffi::Result<ffi::Buffer<ffi::S32>> row_source,
+                        ffi::Result<ffi::Buffer<ffi::F32>> expert_weights) {
+  Call h;
+  JMC_RETURN_IF_ERROR(begin(handle, Op::kDispatchRecv, &h));
   const Shape& s = h->shape;
   const size_t rows = size_t(s.num_local_experts()) * s.max_recv_tokens();
   JMC_RETURN_IF_ERROR(check_bytes("expert_x", expert_x->size_bytes(),
                                   rows * s.hidden * s.in_elem_bytes));
+  JMC_RETURN_IF_ERROR(check_bytes("expert_x_scale", expert_x_scale->size_bytes(),
+                                  rows * s.num_scales * 4));
+  JMC_RETURN_IF_ERROR(check_bytes("expert_num_tokens", expert_num_tokens->size_bytes(),
+                                  size_t(s.num_local_experts()) * 4));
   JMC_RETURN_IF_ERROR(check_bytes("row_source", row_source->size_bytes(), rows * 4));
-  DispatchRecvParams p{
+  JMC_RETURN_IF_ERROR(check_bytes("expert_weights", expert_weights->size_bytes(), rows * 4));
+  const DispatchRecvParams p{
       h->common(), static_cast<uint8_t*>(expert_x->untyped_data()),
       s.num_scales ? static_cast<float*>(expert_x_scale->untyped_data()) : nullptr,
-      expert_num_tokens->typed_data(), row_source->typed_data()};
-  JMC_RETURN_IF_CUDA_ERROR(
-      timed(*h, 1, stream, [&] { return launch_dispatch_recv(p, h->launch, stream); }));
+      expert_num_tokens->typed_data(), row_source->typed_data(), expert_weights->typed_data()};
+  JMC_RETURN_IF_CUDA_ERROR(launch_dispatch_recv(p, h->launch[kDispatchRecvKernel], stream));
+  commit(h, Op::kDispatchRecv);
   return ffi::Error::Success();
 }
 
@@ -65,6 +73,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kDispatchSend, DispatchSend,
                                   .Arg<ffi::AnyBuffer>()           // x
                                   .Arg<ffi::AnyBuffer>()           // x_scale (0 cols: bf16)
                                   .Arg<ffi::Buffer<ffi::S32>>()    // indices
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // weights (0 cols: none)
                                   .Arg<ffi::Buffer<ffi::S32>>()    // num_tokens
                                   .Ret<ffi::AnyBuffer>());         // ticket
 
@@ -76,6 +85,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kDispatchRecv, DispatchRecv,
                                   .Ret<ffi::AnyBuffer>()           // expert_x
                                   .Ret<ffi::AnyBuffer>()           // expert_x_scale
                                   .Ret<ffi::Buffer<ffi::S32>>()    // expert_num_tokens
-                                  .Ret<ffi::Buffer<ffi::S32>>());  // row_source
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // row_source
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // expert_weights
 
 }  // namespace jmc

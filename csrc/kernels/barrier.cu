@@ -1,27 +1,30 @@
 // barrier: every rank of a handle meets here, on the stream (benchmarks: one per sample).
 //
 // 1. Symmetric memory: barrier_flag[p] on every rank; rank p SETs barrier_flag[p] = epoch on
-//    every peer, then waits (bounded) until barrier_flag[q] >= epoch for every q.
+//    every peer, then waits (bounded, abort-aware) until barrier_flag[q] >= epoch for every q.
 // 2. epoch strictly increases per handle (host counter), so no reset is needed.
-// timestamp: one thread writes %globaltimer, for timing between ops on XLA's stream.
-#include <nvshmem.h>
-#include <nvshmemx.h>
-
-#include "core/memory.cuh"
-#include "kernels/kernels.h"
+// timestamp: one thread writes %globaltimer (the dense all-to-all baseline's stamps).
+// blocks_per_sm: the occupancy of each all-to-all kernel, for sizing grids on the host.
+#include "core/protocol.cuh"
 
 namespace jmc {
+
+int dispatch_send_blocks_per_sm(int warps_per_block);
+int dispatch_recv_blocks_per_sm(int warps_per_block, size_t shared_bytes);
+int combine_send_blocks_per_sm(int warps_per_block, size_t shared_bytes);
+int combine_recv_blocks_per_sm(int warps_per_block);
+
 namespace {
 
 __global__ void barrier_kernel(const BarrierParams p) {
-  const Shape& s = p.c.shape;
-  const uint64_t deadline = globaltimer_ns() + p.c.timeout_ns;
-  for (int peer = threadIdx.x; peer < s.world_size; peer += blockDim.x)
-    nvshmemx_signal_op(&p.c.sym.barrier_flag[p.c.rank], p.epoch, NVSHMEM_SIGNAL_SET, peer);
-  for (int peer = threadIdx.x; peer < s.world_size; peer += blockDim.x) {
+  const CommonParams& c = p.c;
+  const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
+  for (int peer = threadIdx.x; peer < c.shape.world_size; peer += blockDim.x)
+    nvshmemx_signal_op(&c.sym.barrier_flag[c.rank], p.epoch, NVSHMEM_SIGNAL_SET, peer);
+  for (int peer = threadIdx.x; peer < c.shape.world_size; peer += blockDim.x) {
     uint64_t seen = 0;
-    if (!wait_ge_acquire_sys_u64(&p.c.sym.barrier_flag[peer], p.epoch, deadline, &seen))
-      record_error(p.c.error, kPeerTimeout, kPhaseBarrier, peer, -1, p.epoch, seen);
+    const Wait w = wait_ge(c, &c.sym.barrier_flag[peer], p.epoch, deadline, &seen);
+    check_wait(c, w, kPhaseBarrier, peer, -1, p.epoch, seen, kWhatNone);
   }
 }
 
@@ -37,6 +40,18 @@ cudaError_t launch_barrier(const BarrierParams& p, cudaStream_t stream) {
 cudaError_t launch_timestamp(uint64_t* out, cudaStream_t stream) {
   timestamp_kernel<<<1, 1, 0, stream>>>(out);
   return cudaGetLastError();
+}
+
+int blocks_per_sm(const Shape& s, KernelId kernel, int warps_per_block) {
+  switch (kernel) {
+    case kDispatchSendKernel: return dispatch_send_blocks_per_sm(warps_per_block);
+    case kDispatchRecvKernel:
+      return dispatch_recv_blocks_per_sm(warps_per_block, 4 * (s.num_dp_groups() + 1));
+    case kCombineSendKernel:
+      return combine_send_blocks_per_sm(warps_per_block, 4 * (s.num_local_experts() + 1));
+    case kCombineRecvKernel: return combine_recv_blocks_per_sm(warps_per_block);
+  }
+  return 1;
 }
 
 }  // namespace jmc

@@ -1,51 +1,72 @@
-// combine_send: tell every peer this rank is past dispatch, then put each expert output row
-// back to its token's home rank(s). Non-blocking.
+// combine_send: put each expert output row back to its token's home rank(s). It waits only for
+// the home ranks' acknowledgement of the previous cycle.
 //
-// 1. Inputs: expert_y [L, R, H] (bf16 or f32), expert_num_tokens [L], row_source [L, R] from
-//    dispatch_recv. Output: none (a ticket).
-// 2. Symmetric memory written on peers: combine_flag[my_rank] (SET 1, block 0 first),
-//    combine_rows[t][j] and combine_arrived[t] on every rank of the token's DP group.
-// 3. The flag is the only global barrier: a rank whose combine_recv has seen every peer's
-//    flag knows that every peer finished reading its dispatch buffers, so its next
-//    dispatch_send may overwrite them.
-// 4. Warp roles: warps stride over the filled rows of all local experts (numbered through a
-//    prefix of expert_num_tokens in shared memory); for each row, one
-//    putmem_signal_nbi_warp per DP-group member adds 1 to combine_arrived[t] after the data.
-// 5. expert_y is read straight from XLA's buffer: fine for peers reached by load/store (NVLink,
-//    one GPU); a remote network transport would need it registered (see docs/notes.md).
-#include <nvshmem.h>
-#include <nvshmemx.h>
-
+// 1. Inputs: expert_y [L, R, H] (bf16 or f32), expert_num_tokens [L] and row_source [L, R]
+//    from dispatch_recv (possibly of another handle of the same shape: the backward pass uses
+//    the forward's routing). Output: none (a ticket).
+// 2. Symmetric memory, epoch e:
+//      local combine_ack[h]          waited >= e - 1 for every rank h: h has read the rows we
+//                                    put in cycle e - 1, so its combine_rows and our staged
+//                                    copies are free. This is also the gate that keeps a DP
+//                                    member's rows safe while it still reads (issue 9 case 1).
+//      on h  combine_rows[t][j]      the row of slot (t, j) of one of h's tokens,
+//            combine_flag[t][j]      SET e after the row's bytes.
+// 3. Work items are the filled rows of all local experts, numbered through a prefix of
+//    expert_num_tokens in shared memory, strided over every warp. A row's source (group g,
+//    token t, slot j) is checked; the row goes to every member h = g * dp + m of the group:
+//      - h reachable by load/store: 16-byte stores from expert_y straight into h's
+//        combine_rows, then __syncwarp, fence.sys, flag store;
+//      - otherwise copied once into combine_staging[i] (symmetric; XLA's expert_y may be
+//        reused before a network put has read it) and sent with putmem_signal_nbi_warp.
+// 4. The last block advances the epoch. No counts travel: home ranks know from their own
+//    indices which slots come back.
+// 5. Errors: a count outside [0, R] or a source out of range is recorded and broadcast.
+#include "core/protocol.cuh"
 #include "core/vec.cuh"
-#include "kernels/kernels.h"
 
 namespace jmc {
 namespace {
 
-__global__ void combine_send_kernel(const CombineSendParams p) {
-  const Shape& s = p.c.shape;
-  const SymmetricLayout& sym = p.c.sym;
-  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarpSize;
-  const int total_warps = gridDim.x * blockDim.x / kWarpSize;
-  const int k = s.experts_per_token;
-  const int R = s.max_recv_tokens();
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
+    combine_send_kernel(const CombineSendParams p) {
+  const CommonParams& c = p.c;
+  const Shape& s = c.shape;
+  const SymmetricLayout& sym = c.sym;
+  const Warps w;
+  stamp_start(c, kCombineSendKernel);
+  const uint64_t epoch = launch_epoch(c, kCombineSendKernel);
+  const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
+  const int k = s.experts_per_token, L = s.num_local_experts(), R = s.max_recv_tokens();
+  const int G = s.num_dp_groups(), dp = s.dp_size;
 
-  // Step 1: the barrier flag, before any row.
-  if (blockIdx.x == 0) {
-    for (int peer = threadIdx.x; peer < s.world_size; peer += blockDim.x)
-      nvshmemx_signal_op(&sym.combine_flag[p.c.rank], 1, NVSHMEM_SIGNAL_SET, peer);
+  // Step 1: every home rank has read our previous cycle's rows.
+  bool ok = !poisoned_at_start(c, kPhaseCombineSend);
+  if (ok && threadIdx.x < kWarpSize) {
+    for (int h = w.lane; h < s.world_size; h += kWarpSize) {
+      uint64_t seen = 0;
+      const Wait r = wait_ge(c, &sym.combine_ack[h], epoch - 1, deadline, &seen);
+      ok &= check_wait(c, r, kPhaseCombineSend, h, -1, epoch - 1, seen, kWhatAck);
+    }
   }
+  ok = __syncthreads_and(ok);
 
-  // Step 2: every filled row goes home to each member of its token's DP group. Rows of all
-  // experts are numbered through a prefix of the counts, so every warp shares the work.
+  // Step 2: rows of all experts numbered through a prefix of the counts.
   extern __shared__ int first_row[];  // [L + 1]
-  const int L = s.num_local_experts();
   if (threadIdx.x == 0) {
     first_row[0] = 0;
-    for (int e = 0; e < L; ++e) first_row[e + 1] = first_row[e] + min(p.expert_num_tokens[e], R);
+    for (int e = 0; e < L; ++e) {
+      int n = p.expert_num_tokens[e];
+      if (n < 0 || n > R) {
+        if (blockIdx.x == 0)
+          fail(c, kCorruptData, kPhaseCombineSend, -1, -1, R, n, kWhatExpertCount);
+        n = 0;
+      }
+      first_row[e + 1] = first_row[e] + n;
+    }
   }
   __syncthreads();
-  for (int i = warp; i < first_row[L]; i += total_warps) {
+  const int rows = ok ? min(first_row[L], s.max_recv_rows()) : 0;
+  for (int i = w.warp; i < rows; i += w.total) {
     int e = 0;  // largest e with first_row[e] <= i
     for (int lo = 0, hi = L; hi - lo > 1;) {
       const int mid = (lo + hi) / 2;
@@ -54,16 +75,39 @@ __global__ void combine_send_kernel(const CombineSendParams p) {
     }
     const size_t at = static_cast<size_t>(e) * R + (i - first_row[e]);
     const int src = p.row_source[at];
-    const int j = src % k;
-    const int t = (src / k) % s.max_num_tokens;
-    const int group = src / k / s.max_num_tokens;
+    const int j = src % k, t = (src / k) % s.max_num_tokens, g = src / k / s.max_num_tokens;
+    if (src < 0 || g >= G) {
+      if (w.lane == 0) fail(c, kCorruptData, kPhaseCombineSend, -1, -1, G, src, kWhatRow);
+      break;
+    }
     const uint8_t* y_row = p.expert_y + at * sym.combine_row_bytes;
-    for (int member = 0; member < s.dp_size; ++member) {
-      const int home = group * s.dp_size + member;
-      nvshmemx_putmem_signal_nbi_warp(sym.combine_row(t, j, k), y_row, sym.combine_row_bytes,
-                                      &sym.combine_arrived[t], 1, NVSHMEM_SIGNAL_ADD, home);
+    const uint8_t* staged = nullptr;
+    uint8_t* row = sym.combine_row(t, j);
+    uint64_t* flag = sym.slot_flag(t, j);
+    for (int m = 0; m < dp; ++m) {
+      const int home = g * dp + m;
+      auto* direct = static_cast<uint8_t*>(nvshmem_ptr(row, home));
+      if (direct != nullptr) {
+        warp_copy(direct, y_row, sym.combine_row_bytes, w.lane);
+        __syncwarp();
+        if (w.lane == 0)
+          st_release_sys_u64(static_cast<uint64_t*>(nvshmem_ptr(flag, home)), epoch);
+      } else {
+        if (staged == nullptr) {
+          uint8_t* copy = sym.staged_row(i);
+          warp_copy(copy, y_row, sym.combine_row_bytes, w.lane);
+          __syncwarp();
+          staged = copy;
+        }
+        nvshmemx_putmem_signal_nbi_warp(row, staged, sym.combine_row_bytes, flag, epoch,
+                                        NVSHMEM_SIGNAL_SET, home);
+      }
     }
   }
+
+  // Step 3: close the launch.
+  if (!is_last_block(c, kCombineSendKernel)) return;
+  finish_launch(c, kCombineSendKernel, epoch);
 }
 
 }  // namespace
@@ -72,6 +116,13 @@ cudaError_t launch_combine_send(const CombineSendParams& p, Launch l, cudaStream
   const size_t shared = sizeof(int) * (p.c.shape.num_local_experts() + 1);
   combine_send_kernel<<<l.num_blocks, l.warps_per_block * kWarpSize, shared, stream>>>(p);
   return cudaGetLastError();
+}
+
+int combine_send_blocks_per_sm(int warps_per_block, size_t shared_bytes) {
+  int n = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, combine_send_kernel,
+                                                warps_per_block * kWarpSize, shared_bytes);
+  return n;
 }
 
 }  // namespace jmc

@@ -1,50 +1,61 @@
-// dispatch_recv: wait for every DP group's tokens, then lay them out per local expert.
+// dispatch_recv: take every DP group's records as they land and lay them out per local expert.
 //
 // 1. Outputs: expert_x [L, R, H], expert_x_scale [L, R, S] (fp8), expert_num_tokens [L],
-//    row_source [L, R] (pack_source(group, token, slot); undefined past the count). R = max_m * G.
-// 2. Symmetric memory read: dispatch_count[g], dispatch_arrived[g], recv_records[g][*], all
-//    local; written only by the senders' dispatch_send.
-// 3. Step 1, per block: one thread per group g waits (bounded) for dispatch_count[g] >= 1,
-//    so n_g = count - 1 records are coming; a prefix over groups goes to shared memory.
-//    Step 2: warps stride over all records of all groups; before reading a record of group g
-//    a warp waits (acquire) for dispatch_arrived[g] >= n_g, so the record's bytes are visible.
-//    For each expert id that is local, a row is taken with atomicAdd(expert_fill[e]) and the
-//    payload, scales and source are copied.
-// 4. Last block (ticket blocks_done[1]): writes expert_num_tokens from expert_fill and resets
-//    expert_fill, dispatch_count, dispatch_arrived and the ticket to zero. The senders touch
-//    these counters again only after this rank's combine_send flag (the global barrier).
-// 5. On timeout: kPeerTimeout with the sender's rank, expected and seen values; the warp skips
-//    that group. The outputs are then incomplete and the handle reports the error.
-#include "core/memory.cuh"
+//    row_source [L, R] (pack_source(group, token, slot)), expert_weights [L, R] f32; rows past
+//    the count are undefined. R = max_m * G.
+// 2. Symmetric memory, epoch e: local dispatch_count[g], dispatch_flag[g][i], recv_records[g][i]
+//    (written by the sender of group g, s_g = g * dp + rank % dp); on s_g: dispatch_ack[rank].
+// 3. Step 1, every block: one thread per group waits (bounded) for dispatch_count[g] to carry
+//    epoch e; its low word n_g (<= max_m, checked) is how many records come. A prefix over the
+//    groups goes to shared memory.
+//    Step 2: warps stride over all records of all groups. For record (g, i) the warp waits for
+//    its flag >= e (per-record: a warp starts copying as soon as its own record is there), checks
+//    the header (token < max_m), and for each expert id that is local takes a row with
+//    atomicAdd(expert_fill[e]) (< R, checked) and copies payload, scales, weight and source.
+// 4. The last block writes expert_num_tokens, re-arms expert_fill, and SETs dispatch_ack[rank]
+//    = e on every s_g: our recv_records may be overwritten by their next cycle.
+// 5. On any failure (timeout, abort word, bad value) the error is recorded and broadcast, the
+//    remaining records are skipped, no ack is sent, and on a poisoned handle every count is 0.
+#include "core/protocol.cuh"
 #include "core/vec.cuh"
-#include "kernels/kernels.h"
 
 namespace jmc {
 namespace {
 
-__global__ void dispatch_recv_kernel(const DispatchRecvParams p) {
-  const Shape& s = p.c.shape;
-  const SymmetricLayout& sym = p.c.sym;
-  const int lane = threadIdx.x % kWarpSize;
-  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarpSize;
-  const int total_warps = gridDim.x * blockDim.x / kWarpSize;
-  const int k = s.experts_per_token;
-  const int L = s.num_local_experts();
-  const int R = s.max_recv_tokens();
-  const int first_expert = p.c.rank * L;
-  const uint64_t deadline = globaltimer_ns() + p.c.timeout_ns;
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
+    dispatch_recv_kernel(const DispatchRecvParams p) {
+  const CommonParams& c = p.c;
+  const Shape& s = c.shape;
+  const SymmetricLayout& sym = c.sym;
+  const Warps w;
+  stamp_start(c, kDispatchRecvKernel);
+  const uint64_t epoch = launch_epoch(c, kDispatchRecvKernel);
+  const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
+  const int k = s.experts_per_token, L = s.num_local_experts(), R = s.max_recv_tokens();
+  const int G = s.num_dp_groups(), dp = s.dp_size;
+  const int first_expert = c.rank * L;
 
-  // Step 1: how many records will each group send? One thread per group polls its count.
+  // Step 1: how many records will each group send this cycle?
   extern __shared__ uint32_t first_record[];  // [G + 1] prefix of the groups' record counts
-  const int G = s.num_dp_groups();
+  bool ok = !poisoned_at_start(c, kPhaseDispatchRecv);
   for (int g = threadIdx.x; g < G; g += blockDim.x) {
-    uint64_t seen = 0;
     uint32_t n = 0;
-    if (wait_ge_acquire_sys_u64(&sym.dispatch_count[g], 1, deadline, &seen)) {
-      n = static_cast<uint32_t>(seen - 1);
-    } else if (blockIdx.x == 0) {
-      record_error(p.c.error, kPeerTimeout, kPhaseDispatchRecv,
-                   g * s.dp_size + p.c.rank % s.dp_size, -1, 1, seen);
+    if (ok) {
+      const int sender = g * dp + c.rank % dp;
+      uint64_t seen = 0;
+      const Wait r = wait_ge(c, &sym.dispatch_count[g], count_word(epoch, 0), deadline, &seen);
+      if (check_wait(c, r, kPhaseDispatchRecv, sender, -1, count_word(epoch, 0), seen,
+                     kWhatCount)) {
+        n = static_cast<uint32_t>(seen & 0xffffffffu);
+        if ((seen >> 32) != epoch) {
+          fail(c, kCorruptData, kPhaseDispatchRecv, sender, -1, epoch, seen >> 32, kWhatEpoch);
+          n = 0;
+        } else if (n > static_cast<uint32_t>(s.max_num_tokens)) {
+          fail(c, kCorruptData, kPhaseDispatchRecv, sender, -1, s.max_num_tokens, n,
+               kWhatCount);
+          n = 0;
+        }
+      }
     }
     first_record[g + 1] = n;
   }
@@ -55,65 +66,69 @@ __global__ void dispatch_recv_kernel(const DispatchRecvParams p) {
   }
   __syncthreads();
 
-  // Step 2: warps stride over every record of every group, so all warps share the work.
-  const uint32_t total = first_record[G];
-  for (uint32_t i = warp; i < total; i += total_warps) {
+  // Step 2: every record of every group, as it lands.
+  const uint32_t total = poisoned(c) ? 0 : first_record[G];
+  for (uint32_t i = w.warp; i < total; i += w.total) {
     int g = 0;  // the group whose records cover i: largest g with first_record[g] <= i
     for (int lo = 0, hi = G; hi - lo > 1;) {
       const int mid = (lo + hi) / 2;
       (first_record[mid] <= i ? lo : hi) = mid;
       g = lo;
     }
-    const uint32_t n = first_record[g + 1] - first_record[g];
-    uint64_t seen = 0;
-    if (!warp_wait_ge_acquire_sys_u64(&sym.dispatch_arrived[g], n, deadline, &seen, lane)) {
-      if (lane == 0)
-        record_error(p.c.error, kPeerTimeout, kPhaseDispatchRecv,
-                     g * s.dp_size + p.c.rank % s.dp_size, -1, n, seen);
-      continue;
-    }
-    const uint8_t* rec = sym.recv_record(g, static_cast<int>(i - first_record[g]),
-                                         s.max_num_tokens);
+    const int slot = static_cast<int>(i - first_record[g]);
+    const int sender = g * dp + c.rank % dp;
+    if (!warp_wait_ge(c, sym.record_flag(g, slot), epoch, deadline, kPhaseDispatchRecv, sender,
+                      -1, kWhatRecord))
+      break;
+    const uint8_t* rec = sym.recv_record(g, slot);
     const int32_t* header = reinterpret_cast<const int32_t*>(rec);
+    const float* header_weights = reinterpret_cast<const float*>(header + 1 + k);
     const int t = header[0];
+    if (t < 0 || t >= s.max_num_tokens) {
+      if (w.lane == 0)
+        fail(c, kCorruptData, kPhaseDispatchRecv, sender, t, s.max_num_tokens, t, kWhatRecord);
+      break;
+    }
     for (int j = 0; j < k; ++j) {
       const int e = header[1 + j] - first_expert;
       if (e < 0 || e >= L) continue;
       int row = 0;
-      if (lane == 0) row = atomicAdd(&p.c.scratch.expert_fill[e], 1u);
+      if (w.lane == 0) row = static_cast<int>(atomicAdd(&c.scratch.expert_fill[e], 1u));
       row = __shfl_sync(0xffffffffu, row, 0);
+      if (row >= R) {  // more rows than any routing can make: a corrupt header
+        if (w.lane == 0)
+          fail(c, kCorruptData, kPhaseDispatchRecv, sender, t, R, row, kWhatRow);
+        break;
+      }
       const size_t out_row = static_cast<size_t>(e) * R + row;
       warp_copy(p.expert_x + out_row * sym.record.payload_bytes, rec + sym.record.header_bytes,
-                sym.record.payload_bytes, lane);
+                sym.record.payload_bytes, w.lane);
       if (p.expert_x_scale != nullptr) {
         const float* scales = reinterpret_cast<const float*>(rec + sym.record.header_bytes +
                                                              sym.record.payload_bytes);
-        for (int q = lane; q < s.num_scales; q += kWarpSize)
+        for (int q = w.lane; q < s.num_scales; q += kWarpSize)
           p.expert_x_scale[out_row * s.num_scales + q] = scales[q];
       }
-      if (lane == 0) p.row_source[out_row] = pack_source(g, t, j, s.max_num_tokens, k);
+      if (w.lane == 0) {
+        p.row_source[out_row] = pack_source(g, t, j, s.max_num_tokens, k);
+        p.expert_weights[out_row] = header_weights[j];
+      }
     }
   }
 
-  // Step 3: the last block publishes the counts and re-arms every counter.
-  __shared__ bool is_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    is_last = atomicAdd(&p.c.scratch.blocks_done[1], 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
+  // Step 3: the last block publishes the counts and acknowledges every sender.
+  if (!is_last_block(c, kDispatchRecvKernel)) return;
+  const bool healthy = !poisoned(c);
   for (int e = threadIdx.x; e < L; e += blockDim.x) {
-    const uint32_t filled = atomicExch(&p.c.scratch.expert_fill[e], 0u);
-    p.expert_num_tokens[e] = static_cast<int32_t>(filled);
+    const uint32_t filled = atomicExch(&c.scratch.expert_fill[e], 0u);
+    p.expert_num_tokens[e] = healthy ? static_cast<int32_t>(min(filled, uint32_t(R))) : 0;
   }
-  for (int g = threadIdx.x; g < s.num_dp_groups(); g += blockDim.x) {
-    st_relaxed_sys_u64(&sym.dispatch_count[g], 0);
-    st_relaxed_sys_u64(&sym.dispatch_arrived[g], 0);
+  if (healthy) {
+    for (int g = threadIdx.x; g < G; g += blockDim.x)
+      nvshmemx_signal_op(&sym.dispatch_ack[c.rank], epoch, NVSHMEM_SIGNAL_SET,
+                         g * dp + c.rank % dp);
   }
-  if (threadIdx.x == 0) p.c.scratch.blocks_done[1] = 0;
+  finish_launch(c, kDispatchRecvKernel, epoch);
 }
 
 }  // namespace
@@ -122,6 +137,13 @@ cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, Launch l, cudaStre
   const size_t shared = sizeof(uint32_t) * (p.c.shape.num_dp_groups() + 1);
   dispatch_recv_kernel<<<l.num_blocks, l.warps_per_block * kWarpSize, shared, stream>>>(p);
   return cudaGetLastError();
+}
+
+int dispatch_recv_blocks_per_sm(int warps_per_block, size_t shared_bytes) {
+  int n = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, dispatch_recv_kernel,
+                                                warps_per_block * kWarpSize, shared_bytes);
+  return n;
 }
 
 }  // namespace jmc

@@ -1,119 +1,138 @@
-// dispatch_send: pack this rank's tokens and put each one, once, to every rank that holds one
-// of its experts. Non-blocking: it never waits for a peer.
+// dispatch_send: put each of this rank's tokens, once, to every rank that holds one of its
+// experts. It waits only for the receivers' acknowledgement of the previous cycle.
 //
 // 1. Inputs (this rank): x [max_m, H], x_scale [max_m, S] (fp8 only), indices [max_m, k]
-//    (repeated experts already -1), num_tokens (device scalar). Output: none (a ticket).
-// 2. Symmetric memory touched: send_records[t] (local, put source); on peer r:
-//    recv_records[my_group][slot], dispatch_arrived[my_group], dispatch_count[my_group].
-// 3. DP split: a token's experts on rank r are sent by the member of the token's DP group
-//    with dp_rank == r % dp_size, so each rank receives one copy per DP group.
-// 4. Warp roles: every warp owns tokens t = warp, warp + total_warps, ...: it packs the record
-//    (header: t and the k expert ids; payload; scales), then, per distinct destination rank,
-//    takes a slot with atomicAdd(send_count[r]) and calls putmem_signal_nbi_warp, which adds
-//    1 to the receiver's dispatch_arrived[my_group] after the data (it fences first).
-// 5. Last block (ticket in blocks_done[0]): for every rank r it sends to, SETs
-//    dispatch_count[my_group] on r to count + 1 (0 means "not yet") with signal_op. signal_op
-//    does not fence, but the receiver also waits for dispatch_arrived to reach the count, and
-//    that counter only moves after each record's data.
-// 6. After the kernel: send_count[] and blocks_done[0] are back at zero. Out-of-range expert
-//    ids are recorded in the error record (kBadExpertIndex) and their slots skipped.
-#include <nvshmem.h>
-#include <nvshmemx.h>
-
-#include "core/memory.cuh"
+//    (repeated experts already -1), weights [max_m, k] (optional), num_tokens (device scalar).
+//    Output: none (a ticket).
+// 2. Destinations. A token's experts on rank r are sent by the member of the token's DP group
+//    with r % dp == rank % dp, so this rank sends to the G ranks d_g = g * dp + rank % dp and
+//    each receiver gets one copy per DP group. Receivers index our records by my_group.
+// 3. Symmetric memory, epoch e = this launch's cycle:
+//      local  dispatch_ack[d_g]           waited >= e - 1: d_g has read our cycle e - 1 records,
+//                                         so its slots and our staged copies are free again.
+//      on d_g recv_records[my_group][i]   the record (header, payload, scales),
+//             dispatch_flag[my_group][i]  SET e after the record's bytes,
+//             dispatch_count[my_group]    SET (e << 32) | records sent to d_g, by the last block.
+// 4. Work items are (token t, destination g) pairs, t < num_tokens, strided over all warps of
+//    the grid, so one token's copies travel in parallel. A pair whose token has no expert on
+//    d_g is skipped. The warp takes a slot (atomicAdd send_count[g]) and writes the record:
+//      - d_g reachable by load/store (nvshmem_ptr != nullptr): straight into the peer's
+//        recv_records with 16-byte stores, then __syncwarp, fence.sys and the flag store;
+//      - otherwise packed into send_records[t][g] (symmetric) and sent with
+//        nvshmemx_putmem_signal_nbi_warp(..., SIGNAL_SET e), which fences before the flag.
+// 5. The last block publishes the counts (the receivers wait on each record's flag, so the
+//    count needs no ordering with the data), re-arms send_count and advances the epoch.
+// 6. Errors: an expert id outside [-1, E) or num_tokens outside [0, max_m] is recorded and
+//    broadcast (abort word); on a poisoned handle the kernel sends nothing.
+#include "core/protocol.cuh"
 #include "core/vec.cuh"
-#include "kernels/kernels.h"
 
 namespace jmc {
 namespace {
 
-// Destination rank of slot j, or -1 when this rank does not send that slot.
-__device__ __forceinline__ int slot_destination(const DispatchSendParams& p, int expert) {
+// Header, payload and scales of token t, written by the whole warp to `rec`.
+__device__ __forceinline__ void write_record(const DispatchSendParams& p, uint8_t* rec, int t,
+                                             int lane) {
   const Shape& s = p.c.shape;
-  if (expert < 0 || expert >= s.num_experts) return -1;
-  const int dst = expert / s.num_local_experts();
-  return (dst % s.dp_size == p.c.rank % s.dp_size) ? dst : -1;
+  const RecordLayout& r = p.c.sym.record;
+  const int k = s.experts_per_token;
+  int32_t* header = reinterpret_cast<int32_t*>(rec);
+  float* header_weights = reinterpret_cast<float*>(header + 1 + k);
+  if (lane == 0) header[0] = t;
+  for (int j = lane; j < k; j += kWarpSize) {
+    const int e = p.indices[static_cast<size_t>(t) * k + j];
+    header[1 + j] = (e >= 0 && e < s.num_experts) ? e : -1;
+    header_weights[j] = p.weights ? p.weights[static_cast<size_t>(t) * k + j] : 0.0f;
+  }
+  warp_copy(rec + r.header_bytes, p.x + static_cast<size_t>(t) * r.payload_bytes,
+            r.payload_bytes, lane);
+  if (p.x_scale != nullptr) {
+    float* scales = reinterpret_cast<float*>(rec + r.header_bytes + r.payload_bytes);
+    for (int i = lane; i < s.num_scales; i += kWarpSize)
+      scales[i] = p.x_scale[static_cast<size_t>(t) * s.num_scales + i];
+  }
 }
 
-__global__ void dispatch_send_kernel(const DispatchSendParams p) {
-  const Shape& s = p.c.shape;
-  const SymmetricLayout& sym = p.c.sym;
-  const int lane = threadIdx.x % kWarpSize;
-  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarpSize;
-  const int total_warps = gridDim.x * blockDim.x / kWarpSize;
-  const int k = s.experts_per_token;
-  const int my_group = p.c.rank / s.dp_size;
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
+    dispatch_send_kernel(const DispatchSendParams p) {
+  const CommonParams& c = p.c;
+  const Shape& s = c.shape;
+  const SymmetricLayout& sym = c.sym;
+  const Warps w;
+  stamp_start(c, kDispatchSendKernel);
+  const uint64_t epoch = launch_epoch(c, kDispatchSendKernel);
+  const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
+  const int k = s.experts_per_token, L = s.num_local_experts();
+  const int G = s.num_dp_groups(), dp = s.dp_size;
+  const int my_group = c.rank / dp, my_member = c.rank % dp;
 
   int num_tokens = *p.num_tokens;
-  if (num_tokens < 0 || num_tokens > s.max_num_tokens) {
+  bool ok = !poisoned_at_start(c, kPhaseDispatchSend);
+  if (ok && (num_tokens < 0 || num_tokens > s.max_num_tokens)) {
     if (blockIdx.x == 0 && threadIdx.x == 0)
-      record_error(p.c.error, kBadNumTokens, kPhaseDispatchSend, -1, -1, s.max_num_tokens,
-                   static_cast<uint64_t>(num_tokens));
-    num_tokens = max(0, min(num_tokens, s.max_num_tokens));
+      fail(c, kBadNumTokens, kPhaseDispatchSend, -1, -1, s.max_num_tokens,
+           static_cast<uint64_t>(num_tokens), kWhatNone);
+    ok = false;
   }
 
-  for (int t = warp; t < num_tokens; t += total_warps) {
+  // Step 1: every destination has read our previous cycle's records (warp 0 of each block).
+  if (ok && threadIdx.x < kWarpSize) {
+    for (int g = w.lane; g < G; g += kWarpSize) {
+      const int dst = g * dp + my_member;
+      uint64_t seen = 0;
+      const Wait r = wait_ge(c, &sym.dispatch_ack[dst], epoch - 1, deadline, &seen);
+      ok &= check_wait(c, r, kPhaseDispatchSend, dst, -1, epoch - 1, seen, kWhatAck);
+    }
+  }
+  ok = __syncthreads_and(ok);
+
+  // Step 2: one record per (token, destination) pair that has an expert there.
+  const int items = ok ? num_tokens * G : 0;
+  for (int i = w.warp; i < items; i += w.total) {
+    const int t = i / G, g = i % G;
+    const int dst = g * dp + my_member;
     const int32_t* ids = p.indices + static_cast<size_t>(t) * k;
-    // Step 1: pack the record (header, payload, scales) into send_records[t].
-    uint8_t* rec = sym.send_record(t);
-    int32_t* header = reinterpret_cast<int32_t*>(rec);
-    if (lane == 0) header[0] = t;
-    for (int j = lane; j < k; j += kWarpSize) {
-      int e = ids[j];
+    bool routed = false;
+    for (int j = w.lane; j < k; j += kWarpSize) {
+      const int e = ids[j];
       if (e < -1 || e >= s.num_experts) {
-        record_error(p.c.error, kBadExpertIndex, kPhaseDispatchSend, -1, t,
-                     static_cast<uint64_t>(s.num_experts), static_cast<uint64_t>(e));
-        e = -1;
+        if (g == 0)
+          fail(c, kBadExpertIndex, kPhaseDispatchSend, -1, t, s.num_experts,
+               static_cast<uint64_t>(static_cast<int64_t>(e)), kWhatNone);
+      } else if (e >= 0 && e / L == dst) {
+        routed = true;
       }
-      header[1 + j] = e;
     }
-    warp_copy(rec + sym.record.header_bytes, p.x + static_cast<size_t>(t) * sym.record.payload_bytes,
-              sym.record.payload_bytes, lane);
-    if (p.x_scale != nullptr) {
-      float* scales = reinterpret_cast<float*>(rec + sym.record.header_bytes +
-                                               sym.record.payload_bytes);
-      for (int i = lane; i < s.num_scales; i += kWarpSize)
-        scales[i] = p.x_scale[static_cast<size_t>(t) * s.num_scales + i];
-    }
-    __syncwarp();
-
-    // Step 2: one put per distinct destination rank, in slot order.
-    for (int j = 0; j < k; ++j) {
-      const int dst = slot_destination(p, ids[j]);
-      if (dst < 0) continue;
-      bool seen_before = false;  // an earlier slot already sent this token to dst
-      for (int base = 0; base < j; base += kWarpSize) {
-        const int jj = base + lane;
-        const bool same = jj < j && slot_destination(p, ids[jj]) == dst;
-        seen_before |= __any_sync(0xffffffffu, same);
-      }
-      if (seen_before) continue;
-      int slot = 0;
-      if (lane == 0) slot = atomicAdd(&p.c.scratch.send_count[dst], 1u);
-      slot = __shfl_sync(0xffffffffu, slot, 0);
-      nvshmemx_putmem_signal_nbi_warp(sym.recv_record(my_group, slot, s.max_num_tokens), rec,
-                                      sym.record.bytes, &sym.dispatch_arrived[my_group], 1,
-                                      NVSHMEM_SIGNAL_ADD, dst);
+    if (!__any_sync(0xffffffffu, routed)) continue;
+    int slot = 0;
+    if (w.lane == 0) slot = static_cast<int>(atomicAdd(&c.scratch.send_count[g], 1u));
+    slot = __shfl_sync(0xffffffffu, slot, 0);
+    uint8_t* rec = sym.recv_record(my_group, slot);
+    uint64_t* flag = sym.record_flag(my_group, slot);
+    auto* direct = static_cast<uint8_t*>(nvshmem_ptr(rec, dst));
+    if (direct != nullptr) {
+      write_record(p, direct, t, w.lane);
+      __syncwarp();
+      if (w.lane == 0) st_release_sys_u64(static_cast<uint64_t*>(nvshmem_ptr(flag, dst)), epoch);
+    } else {
+      uint8_t* staged = sym.send_record(t, g);
+      write_record(p, staged, t, w.lane);
+      __syncwarp();
+      nvshmemx_putmem_signal_nbi_warp(rec, staged, sym.record.bytes, flag, epoch,
+                                      NVSHMEM_SIGNAL_SET, dst);
     }
   }
 
-  // Step 3: the last block to finish publishes the per-destination counts.
-  __shared__ bool is_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    is_last = atomicAdd(&p.c.scratch.blocks_done[0], 1u) == gridDim.x - 1;
+  // Step 3: the last block publishes the per-destination counts and closes the launch.
+  if (!is_last_block(c, kDispatchSendKernel)) return;
+  const bool publish = !poisoned(c);
+  for (int g = threadIdx.x; g < G; g += blockDim.x) {
+    const uint32_t count = atomicExch(&c.scratch.send_count[g], 0u);
+    if (publish)
+      nvshmemx_signal_op(&sym.dispatch_count[my_group], count_word(epoch, count),
+                         NVSHMEM_SIGNAL_SET, g * dp + my_member);
   }
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  for (int dst = threadIdx.x; dst < s.world_size; dst += blockDim.x) {
-    if (dst % s.dp_size != p.c.rank % s.dp_size) continue;
-    const uint32_t count = atomicExch(&p.c.scratch.send_count[dst], 0u);
-    nvshmemx_signal_op(&sym.dispatch_count[my_group], static_cast<uint64_t>(count) + 1,
-                       NVSHMEM_SIGNAL_SET, dst);
-  }
-  if (threadIdx.x == 0) p.c.scratch.blocks_done[0] = 0;
+  finish_launch(c, kDispatchSendKernel, epoch);
 }
 
 }  // namespace
@@ -121,6 +140,13 @@ __global__ void dispatch_send_kernel(const DispatchSendParams p) {
 cudaError_t launch_dispatch_send(const DispatchSendParams& p, Launch l, cudaStream_t stream) {
   dispatch_send_kernel<<<l.num_blocks, l.warps_per_block * kWarpSize, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+int dispatch_send_blocks_per_sm(int warps_per_block) {
+  int n = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, dispatch_send_kernel,
+                                                warps_per_block * kWarpSize, 0);
+  return n;
 }
 
 }  // namespace jmc

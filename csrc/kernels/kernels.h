@@ -11,16 +11,38 @@
 
 namespace jmc {
 
+// Threads per block the kernels are compiled for (__launch_bounds__): 16 warps, and at least
+// two such blocks per SM (<= 64 registers): with one block (the 70-80 registers they took
+// unbounded) too few warps are copying at large batches (DESIGN §11: (512, 2) does not spill).
+constexpr int kMaxWarpsPerBlock = 16;
+constexpr int kMinBlocksPerSm = 2;
+
 struct Launch {
   int num_blocks;
   int warps_per_block;
 };
 
+// Which kernel: indexes epochs, tickets, launches and timing slots.
+enum KernelId : int {
+  kDispatchSendKernel = 0,
+  kDispatchRecvKernel = 1,
+  kCombineSendKernel = 2,
+  kCombineRecvKernel = 3,
+};
+constexpr int kNumKernels = 4;
+
+// Per-handle state in ordinary device memory, owned by the kernels. Epochs count completed
+// launches of each kernel (the cycle number its flags carry); tickets elect the last block.
+struct DeviceState {
+  uint64_t epoch[kNumKernels];
+  uint32_t ticket[kNumKernels];
+};
+
 // Per-call scratch in ordinary device memory, zero between calls (the kernels restore it).
 struct LocalScratch {
-  uint32_t* send_count;       // [world] tokens this rank sent to each rank
-  uint32_t* expert_fill;      // [L] rows taken in each local expert
-  uint32_t* blocks_done;      // [4] one ticket counter per kernel, for the last-block step
+  DeviceState* state;
+  uint32_t* send_count;   // [G] records this rank sent to the g-th destination
+  uint32_t* expert_fill;  // [L] rows taken in each local expert
 };
 
 struct CommonParams {
@@ -28,6 +50,7 @@ struct CommonParams {
   SymmetricLayout sym;
   LocalScratch scratch;
   ErrorRecord* error;  // device view of the pinned record
+  uint64_t* timings;   // [2 * kNumKernels] %globaltimer (start, end) per kernel, or nullptr
   int rank;
   uint64_t timeout_ns;
 };
@@ -37,30 +60,33 @@ struct DispatchSendParams {
   const uint8_t* x;        // [max_m, H] dispatch dtype
   const float* x_scale;    // [max_m, S] or nullptr
   const int32_t* indices;  // [max_m, k], repeated experts already -1
+  const float* weights;    // [max_m, k] or nullptr (then rows carry weight 0)
   const int32_t* num_tokens;
 };
 
 struct DispatchRecvParams {
   CommonParams c;
-  uint8_t* expert_x;            // [L, R, H]
-  float* expert_x_scale;        // [L, R, S] or nullptr
-  int32_t* expert_num_tokens;   // [L]
-  int32_t* row_source;          // [L, R] pack_source(...), rows < count
+  uint8_t* expert_x;           // [L, R, H]
+  float* expert_x_scale;       // [L, R, S] or nullptr
+  int32_t* expert_num_tokens;  // [L]
+  int32_t* row_source;         // [L, R] pack_source(...), rows < count
+  float* expert_weights;       // [L, R] weight of the slot that made the row, rows < count
 };
 
 struct CombineSendParams {
   CommonParams c;
-  const uint8_t* expert_y;             // [L, R, H] combine dtype
-  const int32_t* expert_num_tokens;    // [L]
-  const int32_t* row_source;           // [L, R]
+  const uint8_t* expert_y;           // [L, R, H] combine dtype
+  const int32_t* expert_num_tokens;  // [L]
+  const int32_t* row_source;         // [L, R]
 };
 
 struct CombineRecvParams {
   CommonParams c;
-  const int32_t* indices;   // [max_m, k], repeated experts already -1
-  const float* weights;     // [max_m, k], repeated experts' weights merged
+  const int32_t* indices;  // [max_m, k], repeated experts already -1
+  const float* weights;    // [max_m, k], repeated experts' weights merged
   const int32_t* num_tokens;
-  uint16_t* y;              // [max_m, H] bf16
+  uint16_t* y;             // [max_m, H] bf16
+  uint8_t* slot_rows;      // [max_m, k, H] combine dtype, or nullptr
 };
 
 struct BarrierParams {
@@ -74,5 +100,8 @@ cudaError_t launch_combine_send(const CombineSendParams& p, Launch l, cudaStream
 cudaError_t launch_combine_recv(const CombineRecvParams& p, Launch l, cudaStream_t s);
 cudaError_t launch_barrier(const BarrierParams& p, cudaStream_t s);
 cudaError_t launch_timestamp(uint64_t* out, cudaStream_t s);
+
+// Blocks of `kernel` that fit on one SM at `warps_per_block` (occupancy API), for sizing grids.
+int blocks_per_sm(const Shape& s, KernelId kernel, int warps_per_block);
 
 }  // namespace jmc

@@ -10,7 +10,8 @@ import numpy as np
 
 from .. import bootstrap, native
 from ..config import KernelTuning, MoEConfig
-from ..errors import InvalidRoutingError, MoECommError, PeerTimeoutError, ProtocolError
+from ..errors import (CorruptDataError, InvalidRoutingError, MoECommError, PeerAbortedError,
+                      PeerTimeoutError, ProtocolError)
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -33,7 +34,8 @@ def result_type(like, shape, dtype):
                                 manual_axis_type=manual)
 
 
-_ERROR_KINDS = {"PeerTimeout": PeerTimeoutError, "InvalidRouting": InvalidRoutingError}
+_ERROR_KINDS = {"PeerTimeout": PeerTimeoutError, "InvalidRouting": InvalidRoutingError,
+                "PeerAborted": PeerAbortedError, "CorruptData": CorruptDataError}
 
 
 def raise_recorded(message: str) -> None:
@@ -48,20 +50,42 @@ class NvshmemBackend:
 
     def __init__(self, cfg: MoEConfig, axis_name, tuning: KernelTuning,
                  timeout_s: float = DEFAULT_TIMEOUT_S):
-        if jax.process_count() != cfg.world_size:
-            raise ValueError(f"the nvshmem backend runs one rank per process: world_size="
-                             f"{cfg.world_size} but jax.process_count()="
-                             f"{jax.process_count()}")
+        problem = bootstrap.process_layout_problem(cfg.world_size)
+        if problem:
+            from ..errors import NativeUnavailableError
+
+            raise NativeUnavailableError(problem)
         bootstrap.init()
         self.cfg = cfg
         self.axis_name = axis_name
         self._mod = native.module()
-        self.handle = int(self._mod.create_handle(
+        # Creation is collective: every rank must ask for the same shape, in the same order.
+        # Checked through the key-value store first, so a difference is named, not a hang.
+        shape = (cfg.num_experts, cfg.experts_per_token, cfg.hidden, cfg.max_num_tokens,
+                 cfg.world_size, cfg.dp_size, cfg.dispatch_dtype.name, cfg.combine_dtype.name)
+        tag = bootstrap.next_collective_tag("handle")
+        differ = [r for r, v in enumerate(bootstrap.all_gather(tag + ":shape", repr(shape)))
+                  if v != repr(shape)]
+        if differ:
+            raise ValueError(f"AllToAll creation #{tag}: rank(s) {differ} asked for another "
+                             f"layer shape than rank {jax.process_index()} {shape}; every "
+                             "process must create the same handles in the same order")
+        handle, error = self._mod.create_handle(
             num_experts=cfg.num_experts, k=cfg.experts_per_token, hidden=cfg.hidden,
             max_m=cfg.max_num_tokens, world=cfg.world_size, dp=cfg.dp_size,
             in_bytes=cfg.dispatch_dtype.itemsize, num_scales=cfg.num_scales,
             out_bytes=cfg.combine_dtype.itemsize, timeout_ns=int(timeout_s * 1e9),
-            num_blocks=tuning.num_blocks, warps=tuning.warps_per_block))
+            num_blocks=tuning.num_blocks, warps=tuning.warps_per_block,
+            staged=bootstrap.staged())
+        if not handle:  # refused before anything collective happened (same on every rank)
+            raise ValueError(f"cannot create the all-to-all handle: {error}")
+        # Past the collective allocation: if any rank failed, every rank frees it together.
+        errors = bootstrap.all_gather(tag + ":status", error)
+        if any(errors):
+            self._mod.destroy_handle(handle)
+            failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+            raise MoECommError(f"creating the all-to-all handle failed on {failed}")
+        self.handle = int(handle)
         self._open = True
 
     def _call(self, name, results, *args, side_effect=False, **attrs):
@@ -72,33 +96,49 @@ class NvshmemBackend:
         return result_type(like, (1,), jnp.int32)
 
     # -- ops -------------------------------------------------------------------------------
-    def dispatch_send(self, x, x_scale, indices, num_tokens):
+    def dispatch_send(self, x, x_scale, indices, num_tokens, weights=None):
         cfg = self.cfg
-        if x_scale is None:
+        if x_scale is None:  # 0-column stand-ins keep one signature
             x_scale = jnp.zeros((cfg.max_num_tokens, 0), jnp.float32)
-        return self._call("jmc_dispatch_send", self._ticket(x), x, x_scale, indices,
+        if weights is None:
+            weights = jnp.zeros((cfg.max_num_tokens, 0), jnp.float32)
+        return self._call("jmc_dispatch_send", self._ticket(x), x, x_scale, indices, weights,
                           num_tokens, side_effect=True)
 
     def dispatch_recv(self, ticket):
+        """(expert_x, expert_x_scale | None, expert_num_tokens, routing, expert_weights)."""
         cfg = self.cfg
         L, R, H, S = cfg.num_local_experts, cfg.max_recv_tokens, cfg.hidden, cfg.num_scales
         results = (result_type(ticket, (L, R, H), cfg.dispatch_dtype),
                    result_type(ticket, (L, R, S), jnp.float32),
                    result_type(ticket, (L,), jnp.int32),
-                   result_type(ticket, (L, R), jnp.int32))
-        expert_x, scale, counts, source = self._call("jmc_dispatch_recv", results, ticket,
-                                                     side_effect=True)
-        return expert_x, (scale if cfg.is_fp8 else None), counts, Routing(counts, source)
+                   result_type(ticket, (L, R), jnp.int32),
+                   result_type(ticket, (L, R), jnp.float32))
+        expert_x, scale, counts, source, expert_w = self._call(
+            "jmc_dispatch_recv", results, ticket, side_effect=True)
+        return (expert_x, (scale if cfg.is_fp8 else None), counts, Routing(counts, source),
+                expert_w)
 
     def combine_send(self, expert_y, routing: Routing):
         return self._call("jmc_combine_send", self._ticket(expert_y), expert_y,
                           routing.expert_num_tokens, routing.row_source, side_effect=True)
 
-    def combine_recv(self, ticket, indices, weights, num_tokens):
+    def combine_recv(self, ticket, indices, weights, num_tokens, slot_rows=False):
+        """y [max_m, H] bf16; with slot_rows=True also the row that came back for each valid
+        slot, [max_m, k, H] in the combine dtype (zeros elsewhere)."""
         cfg = self.cfg
-        y_type = result_type(ticket, (cfg.max_num_tokens, cfg.hidden), jnp.bfloat16)
-        return self._call("jmc_combine_recv", y_type, ticket, indices, weights, num_tokens,
-                          side_effect=True)
+        m, k, H = cfg.max_num_tokens, cfg.experts_per_token, cfg.hidden
+        results = (result_type(ticket, (m, H), jnp.bfloat16),
+                   result_type(ticket, (m, k, H) if slot_rows else (0,), cfg.combine_dtype))
+        y, slots = self._call("jmc_combine_recv", results, ticket, indices, weights,
+                              num_tokens, side_effect=True)
+        return (y, slots) if slot_rows else y
+
+    def row_keys(self, routing: Routing):
+        """[L, R] int32: (group, token, slot) of each filled row, -1 past the counts."""
+        R = self.cfg.max_recv_tokens
+        filled = jnp.arange(R)[None, :] < routing.expert_num_tokens[:, None]
+        return jnp.where(filled, routing.row_source, -1)
 
     def barrier(self, dep):
         """On-stream barrier of every rank of this handle; returns a ticket ordered after dep."""
@@ -114,8 +154,12 @@ class NvshmemBackend:
         return list(self._mod.read_timings(self.handle))
 
     def check(self):
-        self._mod.synchronize()
-        raise_recorded(self._mod.handle_error(self.handle))
+        """Waits for the device; raises this rank's recorded error, else a peer's abort."""
+        raise_recorded(self._mod.check_handle(self.handle))
+
+    def launch_shape(self) -> list[tuple[int, int]]:
+        """(blocks, warps per block) of dispatch_send, dispatch_recv, combine_send, combine_recv."""
+        return [tuple(x) for x in self._mod.launch_shape(self.handle)]
 
     def close(self):
         if self._open:

@@ -55,16 +55,24 @@ class ReferenceBackend:
         # abort XLA:CPU); check() raises the first, like the CUDA path's error record.
         self._errors: list[str] = []
 
-    def _record(self, bad_index, bad_count):
-        if bad_index:
-            self._errors.append("an expert index is outside [-1, num_experts)")
-        if bad_count:
-            self._errors.append("num_tokens is outside [0, max_num_tokens]")
+    def _record(self, bad_token, bad_index, num_tokens):
+        cfg = self.cfg
+        if bad_token >= 0:
+            self._errors.append(
+                f"in dispatch_send: token {int(bad_token)} has expert index {int(bad_index)} "
+                f"outside [-1, num_experts={cfg.num_experts}); that slot was skipped. Use -1 "
+                "for a slot that routes nowhere (rows >= num_tokens are not checked)")
+        if not 0 <= num_tokens <= cfg.max_num_tokens:
+            self._errors.append(
+                f"in dispatch_send: num_tokens={int(num_tokens)} outside [0, max_num_tokens="
+                f"{cfg.max_num_tokens}] (rows per rank); it was clamped")
 
     def check(self):
+        """Raise the first error recorded since the last check(), then forget them all."""
         jax.effects_barrier()
-        if self._errors:
-            raise InvalidRoutingError(self._errors[0] + " (slots skipped)")
+        errors, self._errors = self._errors, []
+        if errors:
+            raise InvalidRoutingError(errors[0])
 
     # -- helpers ---------------------------------------------------------------------------
     def _a2a(self, x):
@@ -91,9 +99,12 @@ class ReferenceBackend:
     def _runtime_checks(self, indices, num_tokens):
         if not self.check_routing:
             return
-        bad_index = jnp.any((indices < -1) | (indices >= self.cfg.num_experts))
-        bad_count = (num_tokens < 0) | (num_tokens > self.cfg.max_num_tokens)
-        jax.debug.callback(self._record, bad_index, bad_count)
+        # Rows >= num_tokens are padding: whatever they hold is ignored, as on the CUDA path.
+        live = jnp.arange(self.cfg.max_num_tokens)[:, None] < num_tokens
+        bad = live & ((indices < -1) | (indices >= self.cfg.num_experts))
+        flat = jnp.argmax(bad.reshape(-1))
+        bad_token = jnp.where(jnp.any(bad), flat // self.cfg.experts_per_token, -1)
+        jax.debug.callback(self._record, bad_token, indices.reshape(-1)[flat], num_tokens)
 
     # -- dispatch --------------------------------------------------------------------------
     def dispatch_send(self, x, x_scale, indices, num_tokens, weights=None) -> PendingDispatch:

@@ -1,0 +1,65 @@
+"""Side-by-side table of benchmark JSONs written in the DESIGN section 8 schema (ours, an older
+commit of ours, pplx-kernels from shared/peer), all from one device call.
+
+    python benchmarks/compare.py OUT.md ours.json [label=]other.json ...
+
+Rows are matched on (config, tokens_per_rank, dispatch_dtype); each file contributes its
+dispatch-combine method's total (the slowest rank per sample, median) and its per-half medians.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+DENSE = ("nvshmem_dense_a2a", "pplx-nvshmem-dense-a2a")
+
+
+def load(arg: str):
+    label, _, path = arg.rpartition("=")
+    with open(path) as f:
+        run = json.load(f)
+    rows = {}
+    for r in run["rows"]:
+        key = (r["config"], r["tokens_per_rank"], r["dispatch_dtype"])
+        if r["method"] in DENSE:
+            rows.setdefault(key, {})["dense"] = r["total_us"]
+        elif "expert_padded" not in r["method"]:
+            rows.setdefault(key, {}).update(r, label=label or f"{r['method']}@{run['commit']}")
+    return label or run.get("commit", path), run, rows
+
+
+def main(argv) -> int:
+    out, *inputs = argv
+    runs = [load(a) for a in inputs]
+    keys = sorted({k for _, _, rows in runs for k in rows},
+                  key=lambda k: (k[0], k[2], k[1]))
+    head = ["config", "tokens", "dtype"]
+    for label, _, _ in runs:
+        head += [f"{label} dispatch / combine µs", f"{label} total µs"]
+    head += [f"{runs[0][0]} / {label}" for label, _, _ in runs[1:]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key in keys:
+        cells = [key[0], str(key[1]), key[2]]
+        totals = []
+        for _, _, rows in runs:
+            r = rows.get(key)
+            if r is None or "total_us" not in r:
+                cells += ["", ""]
+                totals.append(None)
+                continue
+            cells += [f"{r['dispatch_us']:.1f} / {r['combine_us']:.1f}", f"{r['total_us']:.1f}"]
+            totals.append(r["total_us"])
+        for t in totals[1:]:
+            cells.append(f"{totals[0] / t:.2f}" if totals[0] and t else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    sources = [f"- {label}: commit {run.get('commit')}, {run.get('date')}, {run.get('gpu')}, "
+               f"`{run.get('command')}`" for label, run, _ in runs]
+    with open(out, "w") as f:
+        f.write("\n".join(sources + [""] + lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,146 @@
+// Device helpers every kernel shares: bounded waits that watch the abort word, failure
+// reporting, the cycle's epoch, the last-block ticket and the timing stamps.
+#pragma once
+
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "core/memory.cuh"
+#include "kernels/kernels.h"
+
+namespace jmc {
+
+constexpr int kWarpSize = 32;
+
+// Records the first error of this rank and tells every rank (itself included) through the
+// abort word, so their waits fail fast instead of each running into its own timeout.
+__device__ __forceinline__ void fail(const CommonParams& c, ErrorCode code, Phase phase,
+                                     int peer, int token, uint64_t expected, uint64_t seen,
+                                     What what) {
+  if (!record_error(c.error, code, phase, peer, token, expected, seen, what)) return;
+  if (code == kPeerAborted) return;  // the peer that failed first told everyone already
+  const uint64_t word = abort_value(code, c.rank);
+  for (int pe = 0; pe < c.shape.world_size; ++pe)
+    nvshmemx_signal_op(c.sym.abort_word, word, NVSHMEM_SIGNAL_SET, pe);
+}
+
+// True once this rank or any peer reported an error on the handle: every kernel then does
+// nothing (and writes empty outputs), every wait gives up. Only the abort word is read: every
+// recorded error sets it on this rank too, and it lives in device memory (the pinned error
+// record is host memory: a read from the GPU costs a PCIe round trip, measured to dominate).
+__device__ __forceinline__ bool poisoned(const CommonParams& c) {
+  return ld_relaxed_sys_u64(c.sym.abort_word) != 0;
+}
+
+// poisoned(), at a kernel's start: a rank that learns of a peer's error only here (it was
+// not waiting when the abort word came) records it, so that the host refuses its next call.
+__device__ __forceinline__ bool poisoned_at_start(const CommonParams& c, Phase phase) {
+  const uint64_t word = ld_relaxed_sys_u64(c.sym.abort_word);
+  if (word == 0) return false;
+  if (blockIdx.x == 0 && threadIdx.x == 0 &&
+      *reinterpret_cast<volatile uint32_t*>(&c.error->claimed) == 0)
+    fail(c, kPeerAborted, phase, abort_rank(word), -1, abort_code(word), 0, kWhatNone);
+  return true;
+}
+
+enum class Wait { kArrived, kTimedOut, kAborted };
+
+// Spins until *flag >= expected. Polls relaxed; when the value is there, one acquire load plus
+// nvshmem_uint64_test, which runs the transport's post-wait consistency hook (proxy
+// transports need it, DESIGN §11). Gives up at the deadline or when the abort word is set.
+__device__ __forceinline__ Wait wait_ge(const CommonParams& c, const uint64_t* flag,
+                                        uint64_t expected, uint64_t deadline, uint64_t* seen) {
+  uint64_t v = ld_relaxed_sys_u64(flag);
+  while (v < expected) {
+    if (ld_relaxed_sys_u64(c.sym.abort_word) != 0) {
+      *seen = v;
+      return Wait::kAborted;
+    }
+    if (globaltimer_ns() > deadline) {
+      *seen = v;
+      return Wait::kTimedOut;
+    }
+    __nanosleep(20);
+    v = ld_relaxed_sys_u64(flag);
+  }
+  *seen = ld_acquire_sys_u64(flag);
+  nvshmem_uint64_test(const_cast<uint64_t*>(flag), NVSHMEM_CMP_GE, expected);
+  return Wait::kArrived;
+}
+
+// Turns a failed wait into the error record (and the abort broadcast); true if it arrived.
+__device__ __forceinline__ bool check_wait(const CommonParams& c, Wait w, Phase phase, int peer,
+                                           int token, uint64_t expected, uint64_t seen,
+                                           What what) {
+  if (w == Wait::kArrived) return true;
+  if (w == Wait::kTimedOut) {
+    fail(c, kPeerTimeout, phase, peer, token, expected, seen, what);
+  } else {
+    const uint64_t word = ld_relaxed_sys_u64(c.sym.abort_word);
+    fail(c, kPeerAborted, phase, abort_rank(word), -1, abort_code(word), 0, what);
+  }
+  return false;
+}
+
+// Lane 0 waits, the warp shares the verdict; __syncwarp orders the other lanes' later reads
+// after lane 0's acquire (a shuffle alone is not an ordering edge, DESIGN §11).
+__device__ __forceinline__ bool warp_wait_ge(const CommonParams& c, const uint64_t* flag,
+                                             uint64_t expected, uint64_t deadline, Phase phase,
+                                             int peer, int token, What what) {
+  const int lane = threadIdx.x % kWarpSize;
+  int ok = 0;
+  if (lane == 0) {
+    uint64_t seen = 0;
+    const Wait w = wait_ge(c, flag, expected, deadline, &seen);
+    ok = check_wait(c, w, phase, peer, token, expected, seen, what);
+  }
+  ok = __shfl_sync(0xffffffffu, ok, 0);
+  __syncwarp();
+  return ok != 0;
+}
+
+// The epoch this launch works on: one more than the launches completed before it. Every block
+// reads it at its start; only the last block to finish advances it (finish_launch).
+__device__ __forceinline__ uint64_t launch_epoch(const CommonParams& c, KernelId kernel) {
+  return *reinterpret_cast<volatile uint64_t*>(&c.scratch.state->epoch[kernel]) + 1;
+}
+
+__device__ __forceinline__ void stamp_start(const CommonParams& c, KernelId kernel) {
+  if (c.timings != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
+    c.timings[2 * kernel] = globaltimer_ns();
+}
+
+// Every block calls this at its end. Returns true in all threads of the last block to get
+// here; by then every other block's writes are visible to it (fence before the ticket).
+__device__ __forceinline__ bool is_last_block(const CommonParams& c, KernelId kernel) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(&c.scratch.state->ticket[kernel], 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
+// The last block closes the launch: ticket re-armed, epoch advanced, end stamp written.
+__device__ __forceinline__ void finish_launch(const CommonParams& c, KernelId kernel,
+                                              uint64_t epoch) {
+  if (threadIdx.x == 0) {
+    c.scratch.state->ticket[kernel] = 0;
+    c.scratch.state->epoch[kernel] = epoch;
+    if (c.timings != nullptr) c.timings[2 * kernel + 1] = globaltimer_ns();
+  }
+}
+
+// Global warp numbering over the grid.
+struct Warps {
+  int lane, warp, total;
+  __device__ __forceinline__ Warps()
+      : lane(threadIdx.x % kWarpSize),
+        warp((blockIdx.x * blockDim.x + threadIdx.x) / kWarpSize),
+        total(gridDim.x * blockDim.x / kWarpSize) {}
+};
+
+}  // namespace jmc

@@ -1,0 +1,272 @@
+"""GPU checks of issue 12, run on every rank by the launcher (nvshmem backend):
+
+    python -m jax_moe_comm.launch -n N --oversubscribe -- python tests/gpu_layout_worker.py \
+        [--quick] [--bench]
+
+- the packed layout against the oracle (fused and split, bf16/fp8/token_replicas=2);
+- NaN/inf weights on unused, out-of-range and padding slots never reach y; an out-of-range
+  index in a padding row is not reported;
+- the MoE layer with ragged_dot on the packed layout against the dense layer and against the
+  padded layout's einsum;
+- the Flax module decoding with a different token count per rank each step, compiled once;
+- --bench: the demo layer's step time, padded einsum vs packed ragged_dot (XLA's default
+  lowering, and cuDNN's grouped GEMM through xla_gpu_experimental_use_ragged_dot_fusion).
+
+Prints one `PASS name` / `FAIL name: why` line per case on rank 0 and exits non-zero if any
+case failed on any rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+
+import jax_moe_comm.distributed as dist
+
+RANK, WORLD = dist.initialize()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from jax_moe_comm import AllToAll, InvalidRoutingError, MoEConfig, testing as T  # noqa: E402
+from jax_moe_comm.moe import (MoELayerConfig, dense_forward, init_params,  # noqa: E402
+                              moe_forward)
+
+bf16, fp8, f32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
+failures: list[str] = []
+BACKEND = "nvshmem"  # --backend reference: a CPU smoke run of this file itself
+
+
+def log(msg: str) -> None:
+    if RANK == 0:
+        print(msg, flush=True)
+
+
+def case(name: str):
+    def wrap(fn):
+        t0 = time.time()
+        try:
+            detail = fn()
+            log(f"PASS {name} ({time.time() - t0:.1f}s){' ' + detail if detail else ''}")
+        except Exception as e:  # noqa: BLE001 - report every case, then fail at the end
+            failures.append(name)
+            print(f"FAIL {name} on rank {RANK}: {type(e).__name__}: {e}", flush=True)
+            traceback.print_exc()
+        return fn
+    return wrap
+
+
+def configs(quick: bool):
+    W = WORLD
+    out = [("tiny-bf16", MoEConfig(num_experts=max(8, W), experts_per_token=2, hidden=128,
+                                   max_num_tokens=4, world_size=W)),
+           ("small-fp8", MoEConfig(num_experts=2 * W, experts_per_token=4, hidden=256,
+                                   max_num_tokens=16, world_size=W, dispatch_dtype=fp8))]
+    if W % 2 == 0:
+        out.append(("replicas2-bf16-f32", MoEConfig(num_experts=4 * W, experts_per_token=3,
+                                                    hidden=512, max_num_tokens=8, world_size=W,
+                                                    token_replicas=2, combine_dtype=f32)))
+    if not quick:
+        out.append(("R1-fp8", MoEConfig(num_experts=256, experts_per_token=8, hidden=7168,
+                                        max_num_tokens=128, world_size=W, dispatch_dtype=fp8)))
+    return out
+
+
+def put(mesh, a, spec=P("ep")):
+    a = np.asarray(a)
+    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+
+
+def mine(arr, rows: int) -> dict[int, np.ndarray]:
+    return T.local_blocks(arr, rows)
+
+
+def layer_step(a2a, cfg, mesh, pspecs):
+    body = lambda p, x, n: moe_forward(a2a, cfg, p, x, n.reshape(()))  # noqa: E731
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(pspecs, P("ep"), P("ep")),
+                                 out_specs=P("ep")))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--bench", action="store_true")
+    parser.add_argument("--backend", default="nvshmem", choices=("nvshmem", "reference"))
+    args = parser.parse_args()
+    global BACKEND
+    BACKEND = args.backend
+    mesh = T.make_mesh(WORLD)
+    log(f"world={WORLD} backend={jax.default_backend()} jax={jax.__version__}")
+
+    for name, cfg in configs(args.quick):
+        @case(f"EP{WORLD}-packed-{name}")
+        def packed(cfg=cfg):
+            with AllToAll(cfg, backend=BACKEND, layout="packed") as a2a:
+                fused, split = T.make_step(a2a, mesh), T.make_step(a2a, mesh, split=True)
+                worst = 0.0
+                for seed, routing in enumerate(("random", "skewed", "duplicates",
+                                                "empty_ranks")):
+                    for step in (fused, split):
+                        inp = T.make_inputs(cfg, 1000 * seed + WORLD, routing)
+                        worst = max(worst, T.run_and_check(a2a, mesh, inp, step=step))
+                a2a.check()
+                return f"max|err|={worst:.3g} max_recv_total={cfg.max_recv_total}"
+
+    tiny = configs(True)[0][1]
+
+    @case(f"EP{WORLD}-nan-weights-and-padding-rows")
+    def nan_weights():
+        for layout in ("padded", "packed"):
+            with AllToAll(tiny, backend=BACKEND, layout=layout) as a2a:
+                inp = T.make_inputs(tiny, 17)
+                m = tiny.max_num_tokens
+                inp.num_tokens[:] = np.arange(WORLD) % (m + 1)
+                holes = inp.indices < 0
+                inp.weights[holes] = np.nan  # unused slots
+                inp.indices[:, 0, -1], inp.weights[:, 0, -1] = -1, np.inf
+                for r in range(WORLD):
+                    n = inp.num_tokens[r]
+                    inp.indices[r, n:] = tiny.num_experts + 5  # padding rows: ignored
+                    inp.weights[r, n:] = np.nan
+                T.run_and_check(a2a, mesh, inp)  # y is checked finite against the oracle
+                a2a.check()  # nothing live was out of range: nothing reported
+        with AllToAll(tiny, backend=BACKEND) as a2a:  # an out-of-range slot in a live row
+            inp = T.make_inputs(tiny, 5, "bad_index")  # rank 0's token 0 is live and bad
+            inp.weights[0, 0, 0] = np.nan
+            T.run_and_check(a2a, mesh, inp)
+            try:
+                a2a.check()
+                raised = False
+            except InvalidRoutingError:
+                raised = True
+            assert raised == (RANK // tiny.token_replicas == 0), f"rank {RANK}: {raised}"
+
+    @case(f"EP{WORLD}-moe-layer-ragged-dot-vs-dense-and-padded")
+    def layer():
+        cfg = MoELayerConfig(num_experts=4 * WORLD, experts_per_token=4, hidden=512, ffn=1024,
+                             max_num_tokens=32)
+        params = init_params(cfg, 0)
+        pspecs = {k: (P("ep") if k in ("w_in", "w_out") else P()) for k in params}
+        dev = {k: put(mesh, v, pspecs[k]) for k, v in params.items()}
+        rng = np.random.default_rng(3)
+        m = cfg.max_num_tokens
+        x = rng.standard_normal((WORLD * m, cfg.hidden)).astype(bf16)
+        nt = rng.integers(0, m + 1, WORLD).astype(np.int32)
+        outs = {}
+        for layout in ("packed", "padded"):
+            with AllToAll(cfg.comm_config(WORLD), backend=BACKEND, layout=layout) as a2a:
+                y = layer_step(a2a, cfg, mesh, pspecs)(dev, put(mesh, x), put(mesh, nt))
+                outs[layout] = mine(y, m)
+                a2a.check()
+        local = jax.local_devices()[0]
+        p_local = {k: jax.device_put(v, local) for k, v in params.items()}
+        worst = 0.0
+        for r, y in outs["packed"].items():
+            ref = dense_forward(cfg, p_local, jax.device_put(x[r * m:(r + 1) * m], local), nt[r])
+            err = np.abs(y.astype(np.float32) - np.asarray(ref, np.float32)).max()
+            assert err <= 0.05, f"rank {r}: packed vs dense {err}"
+            diff = np.abs(y.astype(np.float32) - outs["padded"][r].astype(np.float32)).max()
+            assert diff <= 0.05, f"rank {r}: packed vs padded {diff}"
+            worst = max(worst, float(err))
+        return f"max|y - dense|={worst:.3g}"
+
+    @case(f"EP{WORLD}-flax-decode-varying-tokens")
+    def flax_decode():
+        try:
+            from flax import nnx
+        except ImportError:
+            return "SKIPPED: flax is not installed"
+        from jax.experimental import multihost_utils
+
+        from jax_moe_comm.flax import MoE
+
+        fmesh = jax.make_mesh((WORLD,), ("ep",))
+        moe = MoE(num_experts=2 * WORLD, experts_per_token=2, hidden=256, ffn=512,
+                  max_num_tokens=16, mesh=fmesh, backend=BACKEND, rngs=nnx.Rngs(0))
+        traces = []
+
+        @nnx.jit
+        def step(m, x, n):
+            traces.append(1)
+            return m(x, n)
+
+        full = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
+                for k, v in moe._params().items()}
+        local = jax.local_devices()[0]
+        p_local = {k: jax.device_put(v, local) for k, v in full.items()}
+        rng = np.random.default_rng(11)
+        m, worst = 16, 0.0
+        for _ in range(6):
+            nt = rng.integers(0, m + 1, WORLD).astype(np.int32)
+            x = rng.standard_normal((WORLD * m, 256)).astype(bf16)
+            y = step(moe, put(fmesh, x), put(fmesh, nt))
+            for r, yr in mine(y, m).items():
+                ref = dense_forward(moe.layer, p_local, jax.device_put(x[r * m:(r + 1) * m],
+                                                                       local), nt[r])
+                worst = max(worst, float(np.abs(yr.astype(np.float32)
+                                                - np.asarray(ref, np.float32)).max()))
+        moe.a2a.check()
+        moe.close()
+        assert len(traces) == 1, f"traced {len(traces)} times"
+        assert worst <= 0.05, worst
+        return f"6 steps, traced once, max|y - dense|={worst:.3g}"
+
+    if args.bench:
+        bench(mesh)
+
+    ok = not failures
+    log("GPU LAYOUT SUITE " + ("PASSED" if ok else f"FAILED: {failures}"))
+    return 0 if ok else 1
+
+
+def bench(mesh, steps: int = 30):
+    """Step time of the demo layer: padded einsum vs packed ragged_dot (two lowerings)."""
+    shapes = [("demo", MoELayerConfig()),  # the demo's default layer
+              ("V2Lite-like", MoELayerConfig(num_experts=64, experts_per_token=6, hidden=2048,
+                                             ffn=1408, max_num_tokens=128))]
+    variants = [("padded einsum", "padded", {}),
+                ("packed ragged_dot", "packed", {}),
+                ("packed ragged_dot cuDNN", "packed",
+                 {"xla_gpu_experimental_use_ragged_dot_fusion": True})]
+    for shape_name, cfg in shapes:
+        params = init_params(cfg, 0)
+        pspecs = {k: (P("ep") if k in ("w_in", "w_out") else P()) for k in params}
+        dev = {k: put(mesh, v, pspecs[k]) for k, v in params.items()}
+        m = cfg.max_num_tokens
+        rng = np.random.default_rng(0)
+        x = put(mesh, rng.standard_normal((WORLD * m, cfg.hidden)).astype(bf16))
+        nt = put(mesh, np.full(WORLD, m, np.int32))
+        for label, layout, options in variants:
+            try:
+                log(timed(cfg, mesh, dev, x, nt, pspecs, layout, options, steps, shape_name,
+                          label))
+            except Exception as e:  # noqa: BLE001 - a lowering this XLA lacks is no failure
+                log(f"BENCH {shape_name} {label}: unavailable: {type(e).__name__}: "
+                    f"{str(e)[:300]}")
+
+
+def timed(cfg, mesh, dev, x, nt, pspecs, layout, options, steps, shape_name, label) -> str:
+    with AllToAll(cfg.comm_config(WORLD), backend=BACKEND, layout=layout) as a2a:
+        lowered = layer_step(a2a, cfg, mesh, pspecs).lower(dev, x, nt)
+        compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+        jax.block_until_ready(compiled(dev, x, nt))
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled(dev, x, nt))
+            times.append(time.perf_counter() - t0)
+        a2a.check()
+    med = sorted(times)[len(times) // 2] * 1e3
+    return (f"BENCH {shape_name} {label}: median step {med:.3f} ms over {steps} steps "
+            f"(E={cfg.num_experts} k={cfg.experts_per_token} H={cfg.hidden} F={cfg.ffn} "
+            f"tokens/rank={cfg.max_num_tokens}, {WORLD} ranks)")
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.exit(code)
