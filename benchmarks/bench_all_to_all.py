@@ -212,7 +212,9 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--matmul", type=int, default=2048, help="overlap matmul size (0: off)")
-    p.add_argument("--num-blocks", type=int, default=0, help="grid of every kernel (0: auto)")
+    p.add_argument("--num-blocks", default="0",
+                   help="grid of every kernel (0: auto); a comma list sweeps grids: the first "
+                        "makes the main rows, each other one an extra 'ours' row")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     from jax_moe_comm import init
@@ -232,11 +234,12 @@ def main() -> int:
         if c in args.configs.split(",") and Case(c, int(t), "bf16") not in cases:
             cases.append(Case(c, int(t), "bf16"))
 
+    grids = [int(b) for b in args.num_blocks.split(",")]
     rows, overlap_rows = [], []
     for case in cases:
         cfg, inp, ours = time_ours(case, mesh, args.samples, args.warmup, args.matmul
                                    if (case.tokens == 128 and case.dtype == "fp8") else 0,
-                                   args.num_blocks)
+                                   grids[0])
         # Token-padded: each token once per rank ([max_m] rows a pair). Expert-padded: the
         # [L, max_m] block per pair that lands directly in the per-expert layout.
         dense_tok = time_dense(cfg, args.samples, args.warmup, mesh, cfg.max_num_tokens)
@@ -282,6 +285,16 @@ def main() -> int:
             f"{floor_us:7.1f} us; ours/floor {t_med / floor_us:5.1f}x; dense/ours "
             f"{dt_med / t_med:5.1f}x; expert-padded dense {de_med:9.1f} us "
             f"({de_med / t_med:5.1f}x ours)")
+        for blocks in grids[1:]:  # the same case on other grids: which grid is fastest where
+            _, _, other = time_ours(case, mesh, args.samples, args.warmup, 0, blocks)
+            o = np.max(np.array([g for g in kv_gather(f"{case}:{blocks}", other["plain"])]),
+                       axis=0)
+            o_med, o_p90 = stats(o[:, 4] + o[:, 5])
+            rows.append(dict(method=f"jax_moe_comm_nvshmem_blocks{blocks}",
+                             dispatch_us=stats(o[:, 4])[0], combine_us=stats(o[:, 5])[0],
+                             total_us=o_med, p90_total_us=o_p90, **base))
+            say(f"{case.config:7s} T={case.tokens:4d} {case.dtype}: ours with {blocks} blocks "
+                f"{stats(o[:, 4])[0]:8.1f} + {stats(o[:, 5])[0]:8.1f} = {o_med:8.1f} us")
         if "overlap" in ours:
             over = np.max(np.array([g["ours"]["overlap"] for g in gathered]), axis=0)
             overlap_rows.append(dict(config=case.config, tokens_per_rank=case.tokens,

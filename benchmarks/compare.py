@@ -16,22 +16,31 @@ DENSE = ("nvshmem_dense_a2a", "pplx-nvshmem-dense-a2a")
 
 
 def load(arg: str):
+    """One (label, run, rows) per dispatch/combine method in the file: the main method under the
+    file's label, grid-sweep rows (`..._blocksN`) under "label blocksN"."""
     label, _, path = arg.rpartition("=")
     with open(path) as f:
         run = json.load(f)
-    rows = {}
+    label = label or run.get("commit", path)
+    dense, by_method = {}, {}
     for r in run["rows"]:
         key = (r["config"], r["tokens_per_rank"], r["dispatch_dtype"])
         if r["method"] in DENSE:
-            rows.setdefault(key, {})["dense"] = r["total_us"]
+            dense[key] = r["total_us"]
         elif "expert_padded" not in r["method"]:
-            rows.setdefault(key, {}).update(r, label=label or f"{r['method']}@{run['commit']}")
-    return label or run.get("commit", path), run, rows
+            by_method.setdefault(r["method"], {})[key] = dict(r)
+    out = []
+    for method, rows in sorted(by_method.items(), key=lambda m: ("_blocks" in m[0], m[0])):
+        suffix = method.rpartition("_")[2] if "_blocks" in method else ""
+        for key, r in rows.items():
+            r["dense"] = dense.get(key)
+        out.append((f"{label} {suffix}".strip(), run, rows))
+    return out
 
 
 def main(argv) -> int:
     out, *inputs = argv
-    runs = [load(a) for a in inputs]
+    runs = [r for a in inputs for r in load(a)]
     keys = sorted({k for _, _, rows in runs for k in rows},
                   key=lambda k: (k[0], k[2], k[1]))
     head = ["config", "tokens", "dtype"]
