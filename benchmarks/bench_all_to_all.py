@@ -225,7 +225,9 @@ def main() -> int:
     oversubscribed = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in os.environ
     bandwidth = measure_copy_bandwidth(mod)
     say = print if RANK == 0 else (lambda *a, **k: None)
-    say(f"copy bandwidth per rank with {WORLD} ranks copying: {bandwidth / 1e12:.3f} TB/s")
+    say(f"copy bandwidth per rank with {WORLD} ranks copying: {bandwidth / 1e12:.3f} TB/s; SMs "
+        f"this process sees: {getattr(jax.devices()[0], 'core_count', '?')} "
+        f"(MPS share {os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE', 'none')} %)")
 
     cases = [Case(c, t, d) for c in args.configs.split(",") for d in args.dtypes.split(",")
              for t in map(int, args.tokens.split(","))]

@@ -24,7 +24,8 @@ def load(arg: str):
     label = label or run.get("commit", path)
     dense, by_method = {}, {}
     for r in run["rows"]:
-        key = (r["config"], r["tokens_per_rank"], r["dispatch_dtype"])
+        dtype = r["dispatch_dtype"].split("_")[0]  # pplx writes fp8_e4m3, we write fp8
+        key = (r["config"], r["tokens_per_rank"], dtype)
         if r["method"] in DENSE:
             dense[key] = r["total_us"]
         elif "expert_padded" not in r["method"]:

@@ -21,18 +21,15 @@ std::string cuda_failure(cudaError_t err, const char* what) {
          cudaGetErrorString(err) + ")";
 }
 
-// SMs this process may use: the device's count scaled by its MPS share (the attribute still
-// reports every SM under MPS, docs/notes.md).
+// SMs this process may use. Under MPS with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE the attribute
+// already reports the client's share (16 of 132 SMs at 12 % on the GPU machine's driver 580:
+// scaling it again gave 2 SMs and 4-block grids, 2.4x slower at R1 T=128; docs/notes.md).
 int usable_sms() {
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
       sms <= 0)
     return 16;
-  if (const char* pct = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")) {
-    const int share = std::atoi(pct);
-    if (share > 0 && share < 100) sms = std::max(1, (sms * share + 99) / 100);
-  }
   return sms;
 }
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build on the GPU machine and run the GPU suites (and optionally the benchmark) in one go.
-#   STAGES="suite protocol protocol_full exit nocmdbuf sanitizer grad layout demo bench" \
+#   STAGES="suite protocol protocol_full exit nocmdbuf grad_nocmdbuf sanitizer grad layout demo bench" \
 #     bash scripts/gpu_check.sh
 # Defaults: every stage but bench. RANKS (default "1 2 4 8") for the suites, QUICK=1 for the
 # short versions, BENCH_ARGS for the benchmark. Logs go to $OUT (or ./gpu_logs). Uses the
@@ -63,6 +63,10 @@ if has nocmdbuf; then  # command buffers (CUDA graphs) off: the same results
   XLA_FLAGS=--xla_gpu_enable_command_buffer= run protocol_n2_nocmdbuf 300 \
     $(launch 2 280) $PY "$ROOT/tests/gpu_protocol_worker.py" --quick
 fi
+if has grad_nocmdbuf; then  # gradients and 50 training steps with command buffers off
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= run grad_n2_nocmdbuf 400 \
+    $(launch 2 380) $PY "$ROOT/tests/gpu_grad_worker.py" --quick
+fi
 if has sanitizer; then  # out-of-bounds writes under compute-sanitizer (N=2, tiny shapes)
   run sanitizer_n2 300 $(launch 2 280) compute-sanitizer --tool memcheck --print-limit 20 \
     $PY "$ROOT/tests/gpu_worker.py" --quick --steps 2
@@ -70,7 +74,7 @@ fi
 for w in "$ROOT"/tests/gpu_*_worker.py; do  # workers of other features (grad, layout, ...)
   name=$(basename "$w" .py)
   case "$name" in gpu_protocol_worker) continue;; esac
-  has "${name#gpu_}" || continue
+  stage=${name#gpu_}; has "${stage%_worker}" || continue  # tests/gpu_grad_worker.py: stage grad
   for n in ${EXTRA_RANKS:-2 8}; do run "${name}_n$n" 400 $(launch "$n" 380) $PY "$w" $Q; done
 done
 if has demo; then
