@@ -304,8 +304,10 @@ class AllToAll:
     def dispatch_recv(self, pending: PendingDispatch) -> DispatchOutput:
         """Wait for every peer's tokens and lay them out per local expert (self.layout)."""
         if not isinstance(pending, PendingDispatch) or pending.args is None:
+            what = ("a PendingDispatch that dispatch_send did not make" if
+                    isinstance(pending, PendingDispatch) else type(pending).__name__)
             raise TypeError(f"dispatch_recv takes the PendingDispatch that dispatch_send "
-                            f"returned, got {type(pending).__name__}")
+                            f"returned, got {what}")
         self._live()
         a = pending.args
         dequantize = self.config.is_fp8 and a.x_scale is None
@@ -354,8 +356,10 @@ class AllToAll:
         Returns y [max_m, H] bf16, summed in f32; rows >= num_tokens are zero.
         """
         if not isinstance(pending, PendingCombine) or pending.args is None:
+            what = ("a PendingCombine that combine_send did not make" if
+                    isinstance(pending, PendingCombine) else type(pending).__name__)
             raise TypeError(f"combine_recv takes the PendingCombine that combine_send "
-                            f"returned, got {type(pending).__name__}")
+                            f"returned, got {what}")
         self._live()
         cfg = self.config
         rt.check_routing(cfg, indices, weights)

@@ -325,6 +325,19 @@ def expected_grads(cfg: MoEConfig, inp: Inputs, x_bf16: np.ndarray, G: np.ndarra
     return dx, dw
 
 
+def differentiable_y(cfg: MoEConfig, inp: Inputs, x_bf16: np.ndarray, rank: int) -> np.ndarray:
+    """y [max_m, H] of rank `rank` on the differentiable path (bf16 x, quantized inside)."""
+    c = expert_factor(cfg)
+    xd = dispatched_x(cfg, x_bf16[rank])
+    y = np.zeros((cfg.max_num_tokens, cfg.hidden))
+    for t in range(inp.num_tokens[rank]):
+        for j, e in enumerate(inp.indices[rank, t]):
+            if 0 <= e < cfg.num_experts:
+                row = (c[e] * xd[t]).astype(np.float32).astype(cfg.combine_dtype)
+                y[t] += inp.weights[rank, t, j] * row.astype(np.float64)
+    return y
+
+
 def make_grad_step(a2a: AllToAll, mesh, split: bool = False, plain: bool = False):
     """jit(shard_map) of (x bf16, indices, weights, num_tokens, G) -> (d x, d weights, y),
     the gradient of sum_r <G_r, y_r> taken inside shard_map (no psum: every rank seeds its own
@@ -389,14 +402,17 @@ def check_grads_against_oracle(a2a: AllToAll, mesh, inp: Inputs, G: np.ndarray, 
     returns the max abs error relative to the largest expected value."""
     cfg = a2a.config
     step = step or make_grad_step(a2a, mesh, split)
-    dx, dw, _ = step(*grad_inputs(cfg, mesh, inp, G))
+    dx, dw, y = step(*grad_inputs(cfg, mesh, inp, G))
     m = cfg.max_num_tokens
-    dx_b, dw_b = local_blocks(dx, m), local_blocks(dw, m)
+    dx_b, dw_b, y_b = local_blocks(dx, m), local_blocks(dw, m), local_blocks(y, m)
     x_bf16 = differentiable_x(cfg, inp)
     worst = 0.0
     for rank in sorted(dx_b):
         want_dx, want_dw = expected_grads(cfg, inp, x_bf16, G, rank)
-        for name, got, want in (("d x", dx_b[rank], want_dx), ("d weights", dw_b[rank],
+        # The forward first: a wrong y is a dispatch/combine bug, not a gradient rule's.
+        for name, got, want in (("forward y", y_b[rank], differentiable_y(cfg, inp, x_bf16,
+                                                                          rank)),
+                                ("d x", dx_b[rank], want_dx), ("d weights", dw_b[rank],
                                                                  want_dw)):
             got = np.asarray(got, np.float64)
             scale = max(1.0, float(np.abs(want).max()))
@@ -509,15 +525,17 @@ def compare_layer_grads(moe_grads, moe_dx, dense_grads, dense_dx, ranks, experts
     moe_* map rank -> that rank's block. With dp_size > 1, d x is compared only when every
     member of a group is in `ranks`, summed over the group (the members split the expert
     path of d x between them: the slot's sender gets it)."""
-    worst = 0.0
+    worst, bad = 0.0, []
 
-    def close(name, got, want):
+    def close(name, got, want):  # every mismatch is listed: which tensors fail tells why
         nonlocal worst
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         scale = max(float(np.abs(want).max()), 1e-6)
         err = float(np.abs(got - want).max()) / scale
-        assert np.all(np.isfinite(got)), f"{name}: not finite"
-        assert err <= rtol, f"{name}: max |moe - dense| = {err:.3g} of max |dense| {scale:.3g}"
+        if not np.all(np.isfinite(got)):
+            bad.append(f"{name}: not finite")
+        elif err > rtol:
+            bad.append(f"{name}: max |moe - dense| = {err:.3g} of max |dense| {scale:.3g}")
         worst = max(worst, err)
 
     L = experts_per_rank
@@ -533,6 +551,7 @@ def compare_layer_grads(moe_grads, moe_dx, dense_grads, dense_dx, ranks, experts
         if all(r in ranks for r in members):
             close(f"group {g} d x", sum(np.asarray(moe_dx[r], np.float64) for r in members),
                   sum(np.asarray(dense_dx[r], np.float64) for r in members))
+    assert not bad, "; ".join(bad)
     return worst
 
 
