@@ -93,13 +93,16 @@ def experts_forward(a2a: AllToAll, params, out):
     return y.astype(a2a.config.combine_dtype)
 
 
-def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens, drop=None):
+def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens, drop=None,
+                route_x=None):
     """Per rank, inside shard_map: x [max_m, H] bf16 -> y [max_m, H] bf16.
 
     Differentiable (jax.grad) on a differentiable handle; with fp8 dispatch, x goes to the
     handle in bf16 and is quantized there (gradient straight through the quantization).
+    route_x: the tensor the router reads (default x).
     """
-    indices, weights = route(params["router"], x, cfg.experts_per_token, drop)
+    indices, weights = route(params["router"], x if route_x is None else route_x,
+                             cfg.experts_per_token, drop)
     pending = a2a.dispatch_send(x, indices, num_tokens)
     shared = mlp(x, params["shared_in"], params["shared_out"]) if cfg.shared_expert else None
     if shared is not None:  # the shared expert runs while the tokens are on the wire
@@ -113,10 +116,11 @@ def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens, drop=
     return jnp.where(rows, y, 0)
 
 
-def dense_forward(cfg: MoELayerConfig, params, x, num_tokens, drop=None):
+def dense_forward(cfg: MoELayerConfig, params, x, num_tokens, drop=None, route_x=None):
     """The same layer on one device, every expert applied densely: the oracle of the demo
     (values and, with fp8 dispatch through quant.fake_quantize, gradients)."""
-    indices, weights = route(params["router"], x, cfg.experts_per_token, drop)
+    indices, weights = route(params["router"], x if route_x is None else route_x,
+                             cfg.experts_per_token, drop)
     xe = quant.fake_quantize(x) if cfg.fp8_dispatch else x
 
     def add_expert(e, y):

@@ -10,13 +10,25 @@ from .config import SCALE_BLOCK
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
+def round_to_e4m3(v):
+    """f32 v rounded to the nearest float8_e4m3fn value (ties to even), still in f32.
+
+    In exact f32 arithmetic (powers of two only), so the cast to fp8 that follows is exact
+    and the result cannot depend on how XLA lowers an f32 -> fp8 conversion in a given fusion
+    (measured on the GPU: two fusions of the same quantize disagreed by one fp8 step in a few
+    elements, enough to fail gradient checks against an oracle)."""
+    _, e = jnp.frexp(v)  # |v| in [2^(e-1), 2^e)
+    step = jnp.exp2(jnp.maximum(e - 4, -9).astype(jnp.float32))  # 3 mantissa bits; subnormals
+    return jnp.clip(jnp.round(v / step) * step, -FP8_MAX, FP8_MAX)
+
+
 def quantize(x):
     """x [m, H] -> (q [m, H] float8_e4m3fn, scale [m, H/128] f32): per 1x128 block,
     scale = max|x| / 448 and q = x / scale."""
     m, H = x.shape
     blocks = x.astype(jnp.float32).reshape(m, H // SCALE_BLOCK, SCALE_BLOCK)
     scale = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), 1e-12) / FP8_MAX
-    q = (blocks / scale[..., None]).reshape(m, H).astype(jnp.float8_e4m3fn)
+    q = round_to_e4m3(blocks / scale[..., None]).reshape(m, H).astype(jnp.float8_e4m3fn)
     return q, scale
 
 

@@ -281,8 +281,14 @@ def loss_cotangent(cfg: MoEConfig, seed: int) -> np.ndarray:
 
 
 def differentiable_x(cfg: MoEConfig, inp: Inputs) -> np.ndarray:
-    """bf16 x [EP, max_m, H] of the differentiable path (fp8 handles quantize it inside)."""
-    return dequantize(inp.x, inp.x_scale).astype(np.float32).astype(jnp.bfloat16)
+    """bf16 x [EP, max_m, H] of the differentiable path (fp8 handles quantize it inside).
+    For fp8 the dequantised test values are moved off their fp8 grid (a smooth function of
+    the value, so DP partners still hold the same x): requantizing grid values on a new
+    scale makes many exact rounding ties."""
+    x = dequantize(inp.x, inp.x_scale).astype(np.float32)
+    if cfg.is_fp8:
+        x = x + np.float32(0.03) * np.sin(np.float32(37) * x + np.float32(1.3))
+    return x.astype(jnp.bfloat16)
 
 
 def dispatched_x(cfg: MoEConfig, x_bf16: np.ndarray) -> np.ndarray:
@@ -416,7 +422,8 @@ def check_grads_against_oracle(a2a: AllToAll, mesh, inp: Inputs, G: np.ndarray, 
                                                                  want_dw)):
             got = np.asarray(got, np.float64)
             scale = max(1.0, float(np.abs(want).max()))
-            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * scale,
+            tol = 3e-2 if cfg.is_fp8 else 2e-2  # fp8: the oracle's quantize is another fusion
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale,
                                        err_msg=f"rank {rank}: {name}")
             worst = max(worst, float(np.abs(got - want).max()) / scale)
     return worst
@@ -426,14 +433,21 @@ def check_grads_against_oracle(a2a: AllToAll, mesh, inp: Inputs, G: np.ndarray, 
 def layer_stack(a2a, cfg, params_list, x, nt, drop, *, dense=False, remat=False):
     """Layers applied in turn (each output the next input), through the all-to-all or dense.
     remat: False, True (jax.checkpoint: the backward recomputes each layer, all-to-alls
-    included) or "save_a2a" (a policy keeping the all-to-alls' outputs: none recomputed)."""
+    included) or "save_a2a" (a policy keeping the all-to-alls' outputs: none recomputed).
+
+    Every layer routes on the stack's input x, not on its own input: the MoE and the dense
+    layer sum in different orders, and a 1-ulp difference in a layer's output can flip a
+    near-tie of the next router's top-k (measured on the GPU: 3 bf16 layers, every gradient
+    off by 10-40 %). The all-to-alls still interleave as in a real stack."""
     from .api import CHECKPOINT_NAME
     from .moe import dense_forward, moe_forward
 
+    x0 = x
+
     def one(p, h):
         if dense:
-            return dense_forward(cfg, p, h, nt, drop)
-        return moe_forward(a2a, cfg, p, h, nt, drop)
+            return dense_forward(cfg, p, h, nt, drop, route_x=x0)
+        return moe_forward(a2a, cfg, p, h, nt, drop, route_x=x0)
 
     fn = one
     if remat == "save_a2a":
