@@ -7,10 +7,12 @@ is imported from their own folder.
 
 from __future__ import annotations
 
+import io
 import time
 import traceback
 
 import jax
+import numpy as np
 
 
 class Suite:
@@ -60,3 +62,34 @@ def run_cycle(step, args, rank: int) -> None:
     except Exception as e:  # noqa: BLE001 - XLA wraps the handler's error
         print(f"rank {rank}: the cycle was refused: {str(e).splitlines()[0][:200]}", flush=True)
     clear_runtime_tokens()
+
+
+def kv_allgather(tag: str, value: np.ndarray, rank: int, world: int) -> list[np.ndarray]:
+    """Every rank's array, in rank order, through JAX's key-value store: no XLA collective,
+    which NCCL refuses with several ranks on one GPU ("Duplicate GPU detected")."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        return [value]
+    value = np.asarray(value)
+    buf = io.BytesIO()  # as unsigned ints: np.save cannot name bfloat16 or fp8
+    np.save(buf, value.view(f"u{value.dtype.itemsize}"), allow_pickle=False)
+    client.key_value_set_bytes(f"jmc_gather:{tag}:{rank}", buf.getvalue())
+    return [np.load(io.BytesIO(client.blocking_key_value_get_bytes(
+        f"jmc_gather:{tag}:{r}", 300_000))).view(value.dtype) for r in range(world)]
+
+
+def gather_global(tag: str, arr: jax.Array, rank: int, world: int) -> np.ndarray:
+    """The whole of a global array whose shards live on other processes (sharded on its
+    first axis over one device per process, or replicated), as numpy on every process."""
+    if arr.is_fully_addressable:
+        return np.asarray(arr)
+    shard = arr.addressable_shards[0]
+    if arr.sharding.is_fully_replicated:
+        return np.asarray(shard.data)
+    start = shard.index[0].start or 0
+    parts = kv_allgather(tag, np.asarray(shard.data), rank, world)
+    starts = kv_allgather(tag + ":start", np.array([start]), rank, world)
+    order = np.argsort([int(s[0]) for s in starts])
+    return np.concatenate([parts[i] for i in order], axis=0)

@@ -32,7 +32,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax_moe_comm import AllToAll, InvalidRoutingError, MoEConfig, testing as T  # noqa: E402
+from gpu_harness import gather_global, run_cycle  # noqa: E402
+from jax_moe_comm import (AllToAll, InvalidRoutingError, MoEConfig, PeerAbortedError,  # noqa: E402
+                          testing as T)
 from jax_moe_comm.moe import (MoELayerConfig, dense_forward, init_params,  # noqa: E402
                               moe_forward)
 
@@ -137,13 +139,19 @@ def main() -> int:
         with AllToAll(tiny, backend=BACKEND) as a2a:  # an out-of-range slot in a live row
             inp = T.make_inputs(tiny, 5, "bad_index")  # rank 0's token 0 is live and bad
             inp.weights[0, 0, 0] = np.nan
-            T.run_and_check(a2a, mesh, inp)
+            run_cycle(T.make_step(a2a, mesh), T.global_inputs(tiny, mesh, inp), RANK)
             try:
                 a2a.check()
-                raised = False
-            except InvalidRoutingError:
-                raised = True
-            assert raised == (RANK // tiny.token_replicas == 0), f"rank {RANK}: {raised}"
+                raised = None
+            except (InvalidRoutingError, PeerAbortedError) as e:
+                raised = type(e)
+            # The holder of the bad token reports it; on the nvshmem backend its abort word
+            # stops every other rank with PeerAborted (protocol v2), the reference has none.
+            if RANK // tiny.token_replicas == 0:
+                want = InvalidRoutingError
+            else:
+                want = PeerAbortedError if BACKEND == "nvshmem" else None
+            assert raised is want, f"rank {RANK}: raised {raised}, expected {want}"
 
     @case(f"EP{WORLD}-moe-layer-ragged-dot-vs-dense-and-padded")
     def layer():
@@ -180,8 +188,6 @@ def main() -> int:
             from flax import nnx
         except ImportError:
             return "SKIPPED: flax is not installed"
-        from jax.experimental import multihost_utils
-
         from jax_moe_comm.flax import MoE
 
         fmesh = jax.make_mesh((WORLD,), ("ep",))
@@ -194,8 +200,8 @@ def main() -> int:
             traces.append(1)
             return m(x, n)
 
-        full = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
-                for k, v in moe._params().items()}
+        full = {k: gather_global(f"flax:{k}", v, RANK, WORLD)  # not process_allgather: NCCL
+                for k, v in moe._params().items()}  # refuses several ranks on one GPU
         local = jax.local_devices()[0]
         p_local = {k: jax.device_put(v, local) for k, v in full.items()}
         rng = np.random.default_rng(11)

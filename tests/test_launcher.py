@@ -86,3 +86,12 @@ def test_bad_arguments(args, msg):
     r = launch(*args, timeout=60)
     assert r.returncode != 0
     assert msg in r.stdout + r.stderr
+
+
+def test_gpu_layout_worker_runs_on_cpu_with_the_reference_backend():
+    """The GPU worker script itself (harness, gathers, expectations per backend) on 2 CPU
+    processes, so a worker bug shows up in CI, not first on the GPU machine."""
+    r = launch("-n", "2", "--platform", "cpu", "--timeout", "280", "--", sys.executable,
+               os.path.join(HERE, "gpu_layout_worker.py"), "--quick", "--backend", "reference")
+    assert r.returncode == 0 and "GPU LAYOUT SUITE PASSED" in r.stdout, \
+        (r.stdout + r.stderr)[-5000:]
