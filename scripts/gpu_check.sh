@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build on the GPU machine and run the GPU suites (and optionally the benchmark) in one go.
-#   STAGES="suite protocol protocol_full exit nocmdbuf grad_nocmdbuf sanitizer grad layout demo bench" \
-#     bash scripts/gpu_check.sh
-# Defaults: every stage but bench. RANKS (default "1 2 4 8") for the suites, QUICK=1 for the
+#   STAGES="suite protocol protocol_full exit nocmdbuf grad_nocmdbuf sanitizer grad layout demo \
+#           decode bench" bash scripts/gpu_check.sh
+# Defaults: every stage but decode and bench. RANKS (default "1 2 4 8") for the suites, QUICK=1 for the
 # short versions, BENCH_ARGS for the benchmark. Logs go to $OUT (or ./gpu_logs). Uses the
 # machine's python3 and its jax/nanobind/nvshmem.
 set -uo pipefail
@@ -79,6 +79,12 @@ for w in "$ROOT"/tests/gpu_*_worker.py; do  # workers of other features (grad, l
 done
 if has demo; then
   run demo_n8 300 $(launch 8 280) $PY -m jax_moe_comm.demo --steps 20
+fi
+if has decode; then  # the jitted MoE layer at decode sizes, command buffers on and off
+  run decode_n8 300 $(launch 8 280) $PY "$ROOT/benchmarks/bench_decode.py" --out "$OUT" \
+    --label cmdbuf-on ${DECODE_ARGS:-}
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= run decode_n8_nocmdbuf 300 $(launch 8 280) \
+    $PY "$ROOT/benchmarks/bench_decode.py" --out "$OUT" --label cmdbuf-off ${DECODE_ARGS:-}
 fi
 if has bench; then
   run bench_n8 590 $(launch 8 580) $PY "$ROOT/benchmarks/bench_all_to_all.py" --out "$OUT" ${BENCH_ARGS:-}
