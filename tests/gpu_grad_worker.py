@@ -26,10 +26,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
-import time
-import traceback
 
 import jax_moe_comm.distributed as dist
+from gpu_harness import Suite
 
 RANK, WORLD = dist.initialize()
 
@@ -41,32 +40,8 @@ from jax_moe_comm import AllToAll, MoEConfig, testing as T, train  # noqa: E402
 from jax_moe_comm.moe import MoELayerConfig, init_params  # noqa: E402
 
 bf16, fp8, f32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
-failures: list[str] = []
-
-
-def log(msg: str) -> None:
-    if RANK == 0:
-        print(msg, flush=True)
-
-
-ONLY: list[str] = []  # --only: run the cases whose name contains one of these
-
-
-def case(name: str):
-    def wrap(fn):
-        def run(*args, **kwargs):
-            if ONLY and not any(o in name for o in ONLY):
-                return
-            t0 = time.time()
-            try:
-                detail = fn(*args, **kwargs)
-                log(f"PASS {name} ({time.time() - t0:.1f}s){' ' + detail if detail else ''}")
-            except Exception as e:  # noqa: BLE001 - report every case, then fail at the end
-                failures.append(name)
-                print(f"FAIL {name} on rank {RANK}: {type(e).__name__}: {e}", flush=True)
-                traceback.print_exc()
-        return run
-    return wrap
+suite = Suite(RANK)
+log, case = suite.log, suite.case
 
 
 def kv_gather(tag: str, value: str) -> list[str]:
@@ -118,7 +93,7 @@ def main() -> int:
     parser.add_argument("--backend", default="nvshmem", choices=("nvshmem", "reference"))
     parser.add_argument("--only", default="", help="comma list of case-name substrings")
     args = parser.parse_args()
-    ONLY.extend(filter(None, args.only.split(",")))
+    suite.only.extend(filter(None, args.only.split(",")))
     mesh = T.make_mesh(WORLD)
     log(f"world={WORLD} devices={jax.devices()} backend={args.backend}")
 
@@ -142,7 +117,6 @@ def main() -> int:
                 a2a.check()
                 mib = a2a.symmetric_bytes / 2**20
                 return f"max rel err {worst:.3g} symmetric={mib:.1f} MiB/rank (with backward)"
-        run_ops()
 
     for name, cfg, drop_rate, layers, remat in layer_cases():
         @case(f"EP{WORLD}-layer-{name}")
@@ -162,7 +136,6 @@ def main() -> int:
                                                              cfg.dp_size))
                 a2a.check()
             return f"max |moe - dense| / max |dense| = {worst:.3g}"
-        run_layer()
 
     @case(f"EP{WORLD}-train-{args.steps}-steps")
     def run_train():
@@ -200,11 +173,8 @@ def main() -> int:
         digests = kv_gather("router", digest)
         assert len(set(digests)) == 1, f"replicated router differs between ranks: {digests}"
         return f"loss {losses[0]:.4f} -> {losses[-1]:.4f} ({opt.name}); router {digest} on all"
-    run_train()
 
-    ok = not failures
-    log("GPU GRAD SUITE " + ("PASSED" if ok else f"FAILED: {failures}"))
-    return 0 if ok else 1
+    return suite.finish("GPU GRAD SUITE")
 
 
 if __name__ == "__main__":

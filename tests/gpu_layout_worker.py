@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import traceback
 
 import jax_moe_comm.distributed as dist
 
@@ -32,34 +31,16 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from gpu_harness import gather_global, run_cycle  # noqa: E402
+from gpu_harness import Suite, gather_global, run_cycle  # noqa: E402
 from jax_moe_comm import (AllToAll, InvalidRoutingError, MoEConfig, PeerAbortedError,  # noqa: E402
                           testing as T)
 from jax_moe_comm.moe import (MoELayerConfig, dense_forward, init_params,  # noqa: E402
                               moe_forward)
 
 bf16, fp8, f32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
-failures: list[str] = []
 BACKEND = "nvshmem"  # --backend reference: a CPU smoke run of this file itself
-
-
-def log(msg: str) -> None:
-    if RANK == 0:
-        print(msg, flush=True)
-
-
-def case(name: str):
-    def wrap(fn):
-        t0 = time.time()
-        try:
-            detail = fn()
-            log(f"PASS {name} ({time.time() - t0:.1f}s){' ' + detail if detail else ''}")
-        except Exception as e:  # noqa: BLE001 - report every case, then fail at the end
-            failures.append(name)
-            print(f"FAIL {name} on rank {RANK}: {type(e).__name__}: {e}", flush=True)
-            traceback.print_exc()
-        return fn
-    return wrap
+suite = Suite(RANK)
+log, case = suite.log, suite.case
 
 
 def configs(quick: bool):
@@ -224,9 +205,7 @@ def main() -> int:
     if args.bench:
         bench(mesh)
 
-    ok = not failures
-    log("GPU LAYOUT SUITE " + ("PASSED" if ok else f"FAILED: {failures}"))
-    return 0 if ok else 1
+    return suite.finish("GPU LAYOUT SUITE")
 
 
 def bench(mesh, steps: int = 30):
