@@ -22,7 +22,7 @@ std::string cuda_failure(cudaError_t err, const char* what) {
 }
 
 // SMs this process may use. Under MPS with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE the attribute
-// already reports the client's share (16 of 132 SMs at 12 % on the GPU machine's driver 580:
+// already reports the client's share (14 of 132 SMs at 12 % on the GPU machine's driver 580:
 // scaling it again gave 2 SMs and 4-block grids, 2.4x slower at R1 T=128; docs/notes.md).
 int usable_sms() {
   int device = 0, sms = 0;

@@ -15,8 +15,8 @@ def round_to_e4m3(v):
 
     In exact f32 arithmetic (powers of two only), so the cast to fp8 that follows is exact
     and the result cannot depend on how XLA lowers an f32 -> fp8 conversion in a given fusion
-    (measured on the GPU: two fusions of the same quantize disagreed by one fp8 step in a few
-    elements, enough to fail gradient checks against an oracle)."""
+    (on the GPU, the test oracle's quantize and the layer's once disagreed by one fp8 step in
+    a few elements, enough to fail gradient checks; with this rounding they agree)."""
     _, e = jnp.frexp(v)  # |v| in [2^(e-1), 2^e)
     step = jnp.exp2(jnp.maximum(e - 4, -9).astype(jnp.float32))  # 3 mantissa bits; subnormals
     return jnp.clip(jnp.round(v / step) * step, -FP8_MAX, FP8_MAX)
