@@ -96,12 +96,3 @@ def test_gpu_layout_worker_runs_on_cpu_with_the_reference_backend():
     assert r.returncode == 0 and "GPU LAYOUT SUITE PASSED" in r.stdout, \
         (r.stdout + r.stderr)[-5000:]
 
-
-def test_gpu_grad_worker_runs_on_cpu_with_the_reference_backend():
-    """The gradient worker script itself, three of its cases, on 2 CPU processes."""
-    r = launch("-n", "2", "--platform", "cpu", "--timeout", "280", "--", sys.executable,
-               os.path.join(HERE, "gpu_grad_worker.py"), "--quick", "--backend", "reference",
-               "--only", "ops-tiny,layer-plain,train", "--steps", "10")
-    assert r.returncode == 0 and "GPU GRAD SUITE PASSED" in r.stdout, \
-        (r.stdout + r.stderr)[-5000:]
-    assert "PASS EP2-train-10-steps" in r.stdout, r.stdout[-3000:]
