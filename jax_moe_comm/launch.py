@@ -7,7 +7,8 @@ GPU 0 with --oversubscribe: CUDA MPS started and stopped here, 100/N of the SMs 
 on CPU JAX_PLATFORMS=cpu and JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo. So a script that calls
 `jax.distributed.initialize()` with no arguments (after `import jax_moe_comm`), or
 `jax_moe_comm.distributed.initialize()`, runs unchanged. The same values are also exported as
-JAX_MOE_COMM_{COORDINATOR,NUM_PROCESSES,PROCESS_ID}. Output lines are prefixed with the rank.
+JAX_MOE_COMM_{COORDINATOR,NUM_PROCESSES,PROCESS_ID}. Output lines are prefixed with the rank;
+the gRPC messages JAX logs when its coordination client shuts down are dropped (--show-grpc).
 If one rank fails or the timeout passes, the others are sent SIGTERM, then SIGKILL, and the
 launcher exits non-zero.
 """
@@ -79,8 +80,38 @@ class Mps:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _pump(rank: int, stream, out):
+class ShutdownNoise:
+    """Drops the gRPC block JAX's coordination client logs when its WatchTasks call ends at
+    shutdown: a `WatchTasksAsync failed ... CANCELLED` (its own shutdown) or `UNAVAILABLE ...
+    Connection refused` (the coordinator, rank 0, left first) warning and a 4-5 line trace, on
+    every rank at every normal exit with jax 0.11 (issue 9: "no wall of gRPC errors"). Which
+    rank failed, and why, the launcher reports itself; `--show-grpc` keeps the lines."""
+
+    START = "WatchTasksAsync failed"
+    TRACE = ("Additional GRPC error information", ":CANCELLED:", ":UNAVAILABLE:",
+             "=== Source Location Trace", "grpc_util.h")
+
+    def __init__(self):
+        self.in_block = False
+        self.dropped = 0  # blocks
+
+    def keep(self, line: str) -> bool:
+        if self.START in line:
+            self.in_block = True
+            self.dropped += 1
+            return False
+        if self.in_block:
+            text = line.strip()
+            if not text or any(text.startswith(t) or t in text for t in self.TRACE):
+                return False
+            self.in_block = False
+        return True
+
+
+def _pump(rank: int, stream, out, noise: ShutdownNoise | None = None):
     for line in iter(stream.readline, ""):
+        if noise is not None and not noise.keep(line):
+            continue
         out.write(f"[rank {rank}] {line}")
         out.flush()
     stream.close()
@@ -99,7 +130,8 @@ def _stop_all(procs, grace_s: float = 5.0):
 
 
 def run(num_processes: int, cmd: list[str], *, oversubscribe: bool = False,
-        timeout_s: float = 600.0, platform: str = "auto", out=sys.stdout) -> int:
+        timeout_s: float = 600.0, platform: str = "auto", out=sys.stdout,
+        show_grpc: bool = False) -> int:
     """Run `cmd` N times; returns 0 when every rank exited 0."""
     if num_processes < 1:
         raise ValueError(f"-n {num_processes}: need at least one process")
@@ -134,6 +166,7 @@ def run(num_processes: int, cmd: list[str], *, oversubscribe: bool = False,
     base.setdefault("PYTHONFAULTHANDLER", "1")  # a segfaulting rank prints its stack
 
     procs, pumps = [], []
+    noise = [None if show_grpc else ShutdownNoise() for _ in range(num_processes)]
     try:
         for rank in range(num_processes):
             env = dict(base)
@@ -147,7 +180,8 @@ def run(num_processes: int, cmd: list[str], *, oversubscribe: bool = False,
             p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True, bufsize=1)
             procs.append(p)
-            t = threading.Thread(target=_pump, args=(rank, p.stdout, out), daemon=True)
+            t = threading.Thread(target=_pump, args=(rank, p.stdout, out, noise[rank]),
+                                 daemon=True)
             t.start()
             pumps.append(t)
         deadline = time.time() + timeout_s
@@ -172,6 +206,10 @@ def run(num_processes: int, cmd: list[str], *, oversubscribe: bool = False,
             t.join(timeout=5)
         if mps is not None:
             mps.stop()
+        hidden = sum(n.dropped for n in noise if n is not None)
+        if hidden:
+            out.write(f"[launch] hid {hidden} gRPC WatchTasks shutdown message(s) of JAX's "
+                      "coordination service (--show-grpc shows them)\n")
 
 
 def main(argv=None) -> int:
@@ -187,9 +225,11 @@ def main(argv=None) -> int:
                         help="run every process on GPU 0 under CUDA MPS")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     parser.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto")
+    parser.add_argument("--show-grpc", action="store_true",
+                        help="keep the gRPC WatchTasks messages JAX logs at shutdown")
     args = parser.parse_args(argv[:split])
     return run(args.num_processes, argv[split + 1:], oversubscribe=args.oversubscribe,
-               timeout_s=args.timeout, platform=args.platform)
+               timeout_s=args.timeout, platform=args.platform, show_grpc=args.show_grpc)
 
 
 if __name__ == "__main__":

@@ -96,3 +96,34 @@ def test_gpu_layout_worker_runs_on_cpu_with_the_reference_backend():
     assert r.returncode == 0 and "GPU LAYOUT SUITE PASSED" in r.stdout, \
         (r.stdout + r.stderr)[-5000:]
 
+
+
+def test_shutdown_grpc_noise_is_dropped_and_counted():
+    """The block JAX 0.11 logs at every normal exit (copied from a GPU run), between real
+    output: the block goes, the real lines stay."""
+    import io
+
+    from jax_moe_comm.launch import ShutdownNoise, _pump
+
+    log = (
+        "PASS EP2-train-50-steps\n"
+        "W1203 13:36:10.089005    1190 pjrt_client.cc:1605] WatchTasksAsync failed for task 0: "
+        "CANCELLED: CANCELLED\n"
+        "Additional GRPC error information from remote target coordination_service while "
+        "calling /xla.coordination.CoordinationService/WatchTasks:\n"
+        ":CANCELLED:CANCELLED [type.googleapis.com/tensorflow.DerivedStatus='']\n"
+        "=== Source Location Trace: ===\n"
+        "external/xla+/xla/tsl/distributed_runtime/rpc/grpc_util.h:89\n"
+        "\n"
+        "W1203 13:37:40.240692   11502 pjrt_client.cc:1605] WatchTasksAsync failed for task 5: "
+        "UNAVAILABLE: failed to connect to all addresses; last error: UNKNOWN: "
+        "ipv4:127.0.0.1:34373: Failed to connect to remote host: Connection refused\n"
+        ":UNAVAILABLE:failed to connect to all addresses; last error: UNKNOWN\n"
+        "GPU GRAD SUITE PASSED\n")
+    noise, out = ShutdownNoise(), io.StringIO()
+    _pump(3, io.StringIO(log), out, noise)
+    assert out.getvalue() == "[rank 3] PASS EP2-train-50-steps\n[rank 3] GPU GRAD SUITE PASSED\n"
+    assert noise.dropped == 2
+    kept = io.StringIO()
+    _pump(3, io.StringIO(log), kept)  # --show-grpc
+    assert kept.getvalue().count("[rank 3]") == log.count("\n")
