@@ -573,17 +573,23 @@ def put_global(mesh, a, spec=None):
     return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda idx: a[idx])
 
 
-def run_layer_grads(a2a: AllToAll, cfg, mesh, params_list, x, num_tokens, G, drop,
-                    remat=False, step=None):
-    """make_layer_grad_step on numpy inputs ([EP, ...] per rank, params full) -> this
-    process's blocks, as layer_grad_blocks gives them."""
+def layer_grad_args(mesh, params_list, x, num_tokens, G, drop):
+    """make_layer_grad_step's arguments as global arrays, from numpy ([EP, ...] per rank,
+    params full)."""
     flat = lambda a: np.asarray(a).reshape((-1,) + np.asarray(a).shape[2:])  # noqa: E731
     specs = layer_shardings(mesh, params_list)
     gp = [{k: put_global(mesh, v, specs[i][k]) for k, v in p.items()}
           for i, p in enumerate(params_list)]
+    return (gp, put_global(mesh, flat(x)), put_global(mesh, num_tokens),
+            put_global(mesh, flat(G)), put_global(mesh, flat(drop)))
+
+
+def run_layer_grads(a2a: AllToAll, cfg, mesh, params_list, x, num_tokens, G, drop,
+                    remat=False, step=None):
+    """make_layer_grad_step on numpy inputs ([EP, ...] per rank, params full) -> this
+    process's blocks, as layer_grad_blocks gives them."""
     step = step or make_layer_grad_step(a2a, cfg, mesh, len(params_list), remat)
-    grads, dx = step(gp, put_global(mesh, flat(x)), put_global(mesh, num_tokens),
-                     put_global(mesh, flat(G)), put_global(mesh, flat(drop)))
+    grads, dx = step(*layer_grad_args(mesh, params_list, x, num_tokens, G, drop))
     world = mesh.devices.size
     return layer_grad_blocks(grads, dx, cfg.num_experts // world, cfg.max_num_tokens)
 

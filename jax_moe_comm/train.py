@@ -113,7 +113,8 @@ class DispatchSum:
         every = jnp.broadcast_to(jnp.arange(self.world, dtype=jnp.int32),
                                  (self.rows, self.world))
         out = self.a2a.dispatch(x, every, self.rows)
-        keys = self.a2a.backend.row_keys(out.routing.backend)[0]  # (src * rows + t) * world + my rank
+        # (src * rows + t) * world + my rank
+        keys = self.a2a.backend.row_keys(out.routing.backend)[0]
         src, t = keys // (self.rows * self.world), (keys // self.world) % self.rows
         got = jnp.zeros((self.world, self.rows, self.ROW), jnp.bfloat16)
         got = got.at[src, t].set(out.expert_x[0], mode="drop").reshape(self.world, -1)

@@ -28,7 +28,7 @@ import hashlib
 import sys
 
 import jax_moe_comm.distributed as dist
-from gpu_harness import Suite
+from gpu_harness import Suite, small_configs
 
 RANK, WORLD = dist.initialize()
 
@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_moe_comm import AllToAll, MoEConfig, testing as T, train  # noqa: E402
+from jax_moe_comm import AllToAll, MoEConfig, bootstrap, testing as T, train  # noqa: E402
 from jax_moe_comm.moe import MoELayerConfig, init_params  # noqa: E402
 
 bf16, fp8, f32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
@@ -44,31 +44,11 @@ suite = Suite(RANK)
 log, case = suite.log, suite.case
 
 
-def kv_gather(tag: str, value: str) -> list[str]:
-    """Every rank's string, in rank order, through JAX's key-value store."""
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    if client is None:
-        return [value]
-    client.key_value_set(f"jmc_grad:{tag}:{RANK}", value)
-    return [client.blocking_key_value_get(f"jmc_grad:{tag}:{r}", 300_000) for r in range(WORLD)]
-
-
 def op_configs(quick: bool):
-    W = WORLD
-    out = [("tiny-bf16", MoEConfig(num_experts=max(8, W), experts_per_token=2, hidden=128,
-                                   max_num_tokens=4, world_size=W)),
-           ("small-fp8", MoEConfig(num_experts=16 if 16 % W == 0 else 2 * W,
-                                   experts_per_token=4, hidden=256, max_num_tokens=16,
-                                   world_size=W, dispatch_dtype=fp8))]
-    if W % 2 == 0:
-        out.append(("dp2-bf16-f32", MoEConfig(num_experts=4 * W, experts_per_token=3,
-                                              hidden=512, max_num_tokens=8, world_size=W,
-                                              dp_size=2, combine_dtype=f32)))
+    out = small_configs(WORLD)
     if not quick:
         out.append(("V2Lite-fp8", MoEConfig(num_experts=64, experts_per_token=6, hidden=2048,
-                                            max_num_tokens=32, world_size=W,
+                                            max_num_tokens=32, world_size=WORLD,
                                             dispatch_dtype=fp8)))
     return out
 
@@ -170,7 +150,7 @@ def main() -> int:
         assert last < 0.8 * first, f"loss did not go down: {losses}"
         router = np.asarray(state["router"].addressable_shards[0].data)
         digest = hashlib.sha256(router.tobytes()).hexdigest()[:16]
-        digests = kv_gather("router", digest)
+        digests = bootstrap.all_gather("grad_worker:router", digest)
         assert len(set(digests)) == 1, f"replicated router differs between ranks: {digests}"
         return f"loss {losses[0]:.4f} -> {losses[-1]:.4f} ({opt.name}); router {digest} on all"
 

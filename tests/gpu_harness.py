@@ -7,12 +7,16 @@ is imported from their own folder.
 
 from __future__ import annotations
 
+import base64
 import io
 import time
 import traceback
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from jax_moe_comm import MoEConfig, bootstrap
 
 
 class Suite:
@@ -67,23 +71,19 @@ def run_cycle(step, args, rank: int) -> None:
     clear_runtime_tokens()
 
 
-def kv_allgather(tag: str, value: np.ndarray, rank: int, world: int) -> list[np.ndarray]:
-    """Every rank's array, in rank order, through JAX's key-value store: no XLA collective,
-    which NCCL refuses with several ranks on one GPU ("Duplicate GPU detected")."""
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    if client is None:
-        return [value]
+def kv_allgather(tag: str, value: np.ndarray) -> list[np.ndarray]:
+    """Every process's array, in rank order, through the library's key-value all_gather: no
+    XLA collective, which NCCL refuses with several ranks on one GPU ("Duplicate GPU
+    detected")."""
     value = np.asarray(value)
     buf = io.BytesIO()  # as unsigned ints: np.save cannot name bfloat16 or fp8
     np.save(buf, value.view(f"u{value.dtype.itemsize}"), allow_pickle=False)
-    client.key_value_set_bytes(f"jmc_gather:{tag}:{rank}", buf.getvalue())
-    return [np.load(io.BytesIO(client.blocking_key_value_get_bytes(
-        f"jmc_gather:{tag}:{r}", 300_000))).view(value.dtype) for r in range(world)]
+    return [np.load(io.BytesIO(base64.b64decode(v))).view(value.dtype)
+            for v in bootstrap.all_gather(f"test:{tag}",
+                                          base64.b64encode(buf.getvalue()).decode())]
 
 
-def gather_global(tag: str, arr: jax.Array, rank: int, world: int) -> np.ndarray:
+def gather_global(tag: str, arr: jax.Array) -> np.ndarray:
     """The whole of a global array whose shards live on other processes (sharded on its
     first axis over one device per process, or replicated), as numpy on every process."""
     if arr.is_fully_addressable:
@@ -92,7 +92,23 @@ def gather_global(tag: str, arr: jax.Array, rank: int, world: int) -> np.ndarray
     if arr.sharding.is_fully_replicated:
         return np.asarray(shard.data)
     start = shard.index[0].start or 0
-    parts = kv_allgather(tag, np.asarray(shard.data), rank, world)
-    starts = kv_allgather(tag + ":start", np.array([start]), rank, world)
+    parts = kv_allgather(tag, np.asarray(shard.data))
+    starts = kv_allgather(tag + ":start", np.array([start]))
     order = np.argsort([int(s[0]) for s in starts])
     return np.concatenate([parts[i] for i in order], axis=0)
+
+
+def small_configs(world: int) -> list[tuple[str, MoEConfig]]:
+    """The GPU suites' small layer shapes: tiny bf16, fp8 with scales, and (even worlds) DP
+    groups of 2 with an f32 combine."""
+    fp8, f32 = jnp.float8_e4m3fn, jnp.float32
+    out = [("tiny-bf16", MoEConfig(num_experts=max(8, world), experts_per_token=2, hidden=128,
+                                   max_num_tokens=4, world_size=world)),
+           ("small-fp8", MoEConfig(num_experts=16 if 16 % world == 0 else 2 * world,
+                                   experts_per_token=4, hidden=256, max_num_tokens=16,
+                                   world_size=world, dispatch_dtype=fp8))]
+    if world % 2 == 0:
+        out.append(("dp2-bf16-f32", MoEConfig(num_experts=4 * world, experts_per_token=3,
+                                              hidden=512, max_num_tokens=8, world_size=world,
+                                              dp_size=2, combine_dtype=f32)))
+    return out

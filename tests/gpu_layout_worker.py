@@ -29,7 +29,7 @@ RANK, WORLD = dist.initialize()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from gpu_harness import Suite, gather_global, run_cycle  # noqa: E402
 from jax_moe_comm import (AllToAll, InvalidRoutingError, MoEConfig, PeerAbortedError,  # noqa: E402
@@ -59,9 +59,7 @@ def configs(quick: bool):
     return out
 
 
-def put(mesh, a, spec=P("ep")):
-    a = np.asarray(a)
-    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+put = T.put_global  # (mesh, numpy array, spec=P("ep"))
 
 
 def mine(arr, rows: int) -> dict[int, np.ndarray]:
@@ -181,7 +179,7 @@ def main() -> int:
             traces.append(1)
             return m(x, n)
 
-        full = {k: gather_global(f"flax:{k}", v, RANK, WORLD)  # not process_allgather: NCCL
+        full = {k: gather_global(f"flax:{k}", v)  # not process_allgather: NCCL
                 for k, v in moe._params().items()}  # refuses several ranks on one GPU
         local = jax.local_devices()[0]
         p_local = {k: jax.device_put(v, local) for k, v in full.items()}

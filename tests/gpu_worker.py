@@ -13,7 +13,7 @@ import sys
 import time
 
 import jax_moe_comm.distributed as dist
-from gpu_harness import Suite, clear_runtime_tokens, run_cycle
+from gpu_harness import Suite, clear_runtime_tokens, run_cycle, small_configs
 
 RANK, WORLD = dist.initialize()
 
@@ -29,26 +29,15 @@ log = suite.log
 
 
 def configs(quick: bool):
-    W = WORLD
-    out = [
-        ("tiny-bf16", MoEConfig(num_experts=max(8, W), experts_per_token=2, hidden=128,
-                                max_num_tokens=4, world_size=W)),
-        ("small-fp8", MoEConfig(num_experts=16 if 16 % W == 0 else W * 2, experts_per_token=4,
-                                hidden=256, max_num_tokens=16, world_size=W,
-                                dispatch_dtype=fp8)),
-    ]
-    if W % 2 == 0:
-        out.append(("dp2-bf16-f32", MoEConfig(num_experts=4 * W, experts_per_token=3,
-                                              hidden=512, max_num_tokens=8, world_size=W,
-                                              dp_size=2, combine_dtype=f32)))
+    out = small_configs(WORLD)
     if not quick:
         out.append(("V2Lite-fp8", MoEConfig(num_experts=64, experts_per_token=6, hidden=2048,
-                                            max_num_tokens=32, world_size=W,
+                                            max_num_tokens=32, world_size=WORLD,
                                             dispatch_dtype=fp8)))
         out.append(("R1-fp8", MoEConfig(num_experts=256, experts_per_token=8, hidden=7168,
-                                        max_num_tokens=128, world_size=W, dispatch_dtype=fp8)))
+                                        max_num_tokens=128, world_size=WORLD, dispatch_dtype=fp8)))
         out.append(("R1-bf16", MoEConfig(num_experts=256, experts_per_token=8, hidden=7168,
-                                         max_num_tokens=128, world_size=W)))
+                                         max_num_tokens=128, world_size=WORLD)))
     return out
 
 

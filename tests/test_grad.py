@@ -22,7 +22,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
-from jax_moe_comm import AllToAll, MoEConfig, autodiff
+from cases import Case
+
+from jax_moe_comm import AllToAll, autodiff
 from jax_moe_comm import testing as T
 from jax_moe_comm.moe import MoELayerConfig, init_params
 from jax_moe_comm.train import DispatchSum
@@ -82,24 +84,6 @@ class ShuffledAllToAll(AllToAll):
 
 
 # -- cases ----------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Case:
-    name: str
-    E: int
-    k: int
-    H: int
-    m: int
-    ep: int
-    dp: int = 1
-    dtype: object = bf16
-    out: object = bf16
-
-    def cfg(self):
-        return MoEConfig(num_experts=self.E, experts_per_token=self.k, hidden=self.H,
-                         max_num_tokens=self.m, world_size=self.ep, dp_size=self.dp,
-                         dispatch_dtype=self.dtype, combine_dtype=self.out)
-
-
 EP8 = Case("EP8-bf16", 16, 4, 128, 8, 8)
 EP8_DP2 = Case("EP8-dp2-f32", 16, 3, 128, 8, 8, dp=2, out=f32)
 EP4_FP8 = Case("EP4-fp8", 8, 4, 256, 8, 4, dtype=fp8)
@@ -269,12 +253,7 @@ def test_remat_policy_keeps_the_all_to_alls_out_of_the_recomputation():
     mesh = T.make_mesh(world)
     a2a = AllToAll(cfg.comm_config(world), differentiable=True)
     params = [init_params(cfg, s) for s in range(2)]
-    x, nt, G, drop = T.layer_grad_inputs(cfg, world, 3, 0.1)
-    specs = T.layer_shardings(mesh, params)
-    gp = [{k: _global(mesh, v) if specs[i][k] != P() else v for k, v in p.items()}
-          for i, p in enumerate(params)]
-    args = (gp, _global(mesh, _flat(x)), _global(mesh, nt), _global(mesh, _flat(G)),
-            _global(mesh, _flat(drop)))
+    args = T.layer_grad_args(mesh, params, *T.layer_grad_inputs(cfg, world, 3, 0.1))
     count = {remat: str(jax.make_jaxpr(T.make_layer_grad_step(a2a, cfg, mesh, 2, remat))(
         *args)).count("all_to_all") for remat in (False, True, "save_a2a")}
     assert count["save_a2a"] == count[False] < count[True], count
@@ -335,12 +314,7 @@ def test_checkpoint_runs_side_effecting_all_to_alls_once():
     mesh = T.make_mesh(world)
     a2a = MarkedAllToAll(cfg.comm_config(world), differentiable=True)
     params = [init_params(cfg, s) for s in range(3)]
-    x, nt, G, drop = T.layer_grad_inputs(cfg, world, 3, 0.1)
-    specs = T.layer_shardings(mesh, params)
-    gp = [{k: _global(mesh, v) if specs[i][k] != P() else v for k, v in p.items()}
-          for i, p in enumerate(params)]
-    args = (gp, _global(mesh, _flat(x)), _global(mesh, nt), _global(mesh, _flat(G)),
-            _global(mesh, _flat(drop)))
+    args = T.layer_grad_args(mesh, params, *T.layer_grad_inputs(cfg, world, 3, 0.1))
     count = {}
     for remat in (False, True):
         jaxpr = jax.make_jaxpr(T.make_layer_grad_step(a2a, cfg, mesh, 3, remat))(*args)

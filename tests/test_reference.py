@@ -6,28 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cases import Case
+
 from jax_moe_comm import AllToAll, InvalidRoutingError, MoEConfig
 from jax_moe_comm import testing as T
 
 bf16, fp8, f32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    name: str
-    E: int
-    k: int
-    H: int
-    m: int
-    ep: int
-    dp: int = 1
-    dtype: object = bf16
-    out: object = bf16
-
-    def cfg(self):
-        return MoEConfig(num_experts=self.E, experts_per_token=self.k, hidden=self.H,
-                         max_num_tokens=self.m, world_size=self.ep, dp_size=self.dp,
-                         dispatch_dtype=self.dtype, combine_dtype=self.out)
 
 
 CASES = [Case(f"EP{ep}-{n}", *shape, ep=ep, dtype=dt, out=out)
