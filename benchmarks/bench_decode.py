@@ -23,6 +23,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -41,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax_moe_comm import AllToAll  # noqa: E402
+from jax_moe_comm import AllToAll, bootstrap  # noqa: E402
 from jax_moe_comm.moe import MoELayerConfig, moe_forward  # noqa: E402
 
 # (experts, top-k, hidden, expert ffn): DeepSeek-V2-Lite and DeepSeek-R1 MoE layers.
@@ -73,19 +74,9 @@ def make_params(cfg: MoELayerConfig, mesh, seed: int):
 
 def slowest_median(tag: str, samples_s: list[float]) -> float:
     """Median over samples of the slowest rank (each rank's samples are aligned by index)."""
-    per_rank = [json.loads(v) for v in kv_gather_json(tag, samples_s)]
+    per_rank = [json.loads(v) for v in bootstrap.all_gather(f"decode:{tag}",
+                                                            json.dumps(samples_s))]
     return statistics.median(max(col) for col in zip(*per_rank)) * 1e6
-
-
-def kv_gather_json(tag: str, value) -> list[str]:
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    if client is None:
-        return [json.dumps(value)]
-    client.key_value_set(f"jmc_decode:{tag}:{RANK}", json.dumps(value))
-    return [client.blocking_key_value_get(f"jmc_decode:{tag}:{r}", 600_000)
-            for r in range(WORLD)]
 
 
 def time_case(name: str, tokens: int, layout: str, fp8: bool, mesh, args) -> dict:
@@ -145,8 +136,8 @@ def main() -> int:
     args = p.parse_args()
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
     flags = os.environ.get("XLA_FLAGS", "")
-    cmdbuf = "off" if "--xla_gpu_enable_command_buffer=" in flags and \
-        "--xla_gpu_enable_command_buffer=FUSION" not in flags else "default"
+    setting = re.search(r"--xla_gpu_enable_command_buffer=(\S*)", flags)
+    cmdbuf = "default" if setting is None else (setting.group(1) or "off")
     say = print if RANK == 0 else (lambda *a, **kw: None)
     rows = []
     for name in args.configs.split(","):
