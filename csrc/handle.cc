@@ -39,8 +39,10 @@ Launch launch_for(const Shape& s, KernelId kernel, Launch tuning) {
   const int wpb = tuning.warps_per_block;
   if (tuning.num_blocks > 0) return Launch{tuning.num_blocks, wpb};
   // A debugging override (tests force one block to tell grid-size bugs from others).
-  if (const char* forced = std::getenv("JMC_NUM_BLOCKS"))
-    if (std::atoi(forced) > 0) return Launch{std::atoi(forced), wpb};
+  if (const char* forced = std::getenv("JMC_NUM_BLOCKS")) {
+    const int blocks = std::atoi(forced);
+    if (blocks > 0) return Launch{blocks, wpb};
+  }
   const int wave = usable_sms() * std::max(1, blocks_per_sm(s, kernel, wpb));
   const int chunks = s.hidden / 8;
   int64_t items = 0;  // the most warps the kernel can keep busy

@@ -102,7 +102,7 @@ class ShutdownNoise:
             return False
         if self.in_block:
             text = line.strip()
-            if not text or any(text.startswith(t) or t in text for t in self.TRACE):
+            if not text or any(t in text for t in self.TRACE):
                 return False
             self.in_block = False
         return True
