@@ -289,14 +289,13 @@ def main() -> int:
             f"({de_med / t_med:5.1f}x ours)")
         for blocks in grids[1:]:  # the same case on other grids: which grid is fastest where
             _, _, other = time_ours(case, mesh, args.samples, args.warmup, 0, blocks)
-            o = np.max(np.array([g for g in kv_gather(f"{case}:{blocks}", other["plain"])]),
-                       axis=0)
+            o = np.max(np.array(kv_gather(f"{case}:{blocks}", other["plain"])), axis=0)
             o_med, o_p90 = stats(o[:, 4] + o[:, 5])
-            rows.append(dict(method=f"jax_moe_comm_nvshmem_blocks{blocks}",
-                             dispatch_us=stats(o[:, 4])[0], combine_us=stats(o[:, 5])[0],
-                             total_us=o_med, p90_total_us=o_p90, **base))
+            o_d, o_c = stats(o[:, 4])[0], stats(o[:, 5])[0]
+            rows.append(dict(method=f"jax_moe_comm_nvshmem_blocks{blocks}", dispatch_us=o_d,
+                             combine_us=o_c, total_us=o_med, p90_total_us=o_p90, **base))
             say(f"{case.config:7s} T={case.tokens:4d} {case.dtype}: ours with {blocks} blocks "
-                f"{stats(o[:, 4])[0]:8.1f} + {stats(o[:, 5])[0]:8.1f} = {o_med:8.1f} us")
+                f"{o_d:8.1f} + {o_c:8.1f} = {o_med:8.1f} us")
         if "overlap" in ours:
             over = np.max(np.array([g["ours"]["overlap"] for g in gathered]), axis=0)
             overlap_rows.append(dict(config=case.config, tokens_per_rank=case.tokens,
