@@ -39,8 +39,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jax_moe_comm import (AllToAll, KernelTuning, MoEConfig, native, order_after,  # noqa: E402
-                          testing as T)
+from jax_moe_comm import (AllToAll, KernelTuning, MoEConfig, bootstrap, native,  # noqa: E402
+                          order_after, testing as T)
 from jax_moe_comm.backends.nvshmem import DenseAllToAll  # noqa: E402
 
 CONFIGS = {"V2Lite": (64, 6, 2048), "R1": (256, 8, 7168)}
@@ -61,14 +61,39 @@ class Case:
 
 def kv_gather(tag: str, payload) -> list:
     """Every rank's JSON payload, in rank order, through JAX's key-value store."""
-    from jax._src import distributed
+    return [json.loads(v) for v in bootstrap.all_gather(f"bench:{tag}", json.dumps(payload))]
 
-    client = distributed.global_state.client
-    if client is None:
-        return [payload]
-    client.key_value_set(f"jmc_bench:{tag}:{RANK}", json.dumps(payload))
-    return [json.loads(client.blocking_key_value_get(f"jmc_bench:{tag}:{r}", 600_000))
-            for r in range(WORLD)]
+
+# The kernels' stamps (csrc/kernels/kernels.h): per kernel start/end at 2k, 2k+1, block 0's
+# "waited" / "worked" marks at 8 + 2k, 9 + 2k, and the barrier's end at 16.
+KERNELS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+BARRIER_END = 16
+
+
+def phase_timeline(stamps) -> dict:
+    """Where a sample's time goes, from every rank's stamps of one sample ([ranks, samples,
+    17] ns, one GPU clock). Times are us after the first rank left the barrier; each event
+    gives [earliest rank, latest rank], medians over samples. The gap from one rank's start
+    to its "waited" mark is time spent waiting for peers (or their acknowledgement)."""
+    s = np.asarray(stamps, dtype=np.int64)
+    t0 = s[:, :, BARRIER_END].min(axis=0)  # [samples]
+    rel = (s - t0[None, :, None]).astype(np.float64) / 1e3  # small ints: exact in float64
+    out = {"barrier_end": rel[:, :, BARRIER_END]}
+    for k, name in enumerate(KERNELS):
+        for event, slot in (("start", 2 * k), ("waited", 8 + 2 * k), ("worked", 9 + 2 * k),
+                            ("end", 2 * k + 1)):
+            out[f"{name}.{event}"] = rel[:, :, slot]
+    return {key: [round(float(np.median(v.min(axis=0))), 1),
+                  round(float(np.median(v.max(axis=0))), 1)] for key, v in out.items()}
+
+
+def format_timeline(phases: dict) -> str:
+    lines = [f"  barrier end {phases['barrier_end'][0]:6.1f} ..{phases['barrier_end'][1]:6.1f}"]
+    for name in KERNELS:
+        lines.append(f"  {name:13s} " + "  ".join(
+            f"{event} {phases[f'{name}.{event}'][0]:6.1f} ..{phases[f'{name}.{event}'][1]:6.1f}"
+            for event in ("start", "waited", "worked", "end")))
+    return "\n".join(lines)
 
 
 def wire_bytes(cfg: MoEConfig, inp: T.Inputs) -> tuple[int, int, int, int]:
@@ -151,15 +176,18 @@ def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_bloc
     for label, with_mm in variants:
         step = compile_step(with_mm)
         backend.set_timing(True)
-        per_sample = []
+        per_sample, stamps = [], []
         for i in range(warmup + samples):
             jax.block_until_ready(step())
             ts = backend.read_timings()
             if i >= warmup:
                 per_sample.append([(ts[2 * p + 1] - ts[2 * p]) / 1e3 for p in range(4)] +
                                   [(ts[3] - ts[0]) / 1e3, (ts[7] - ts[4]) / 1e3])
+                stamps.append(ts)
         backend.set_timing(False)
         results[label] = per_sample
+        if label == "plain":
+            results["stamps"] = stamps
     a2a.check()
     a2a.close()
     return cfg, inp, results
@@ -267,8 +295,10 @@ def main() -> int:
                     bytes_per_rank=d_sent + c_sent, floor_us=floor_us, correct=True)
         halves = {n: stats(plain[:, i])[0] for i, n in enumerate(
             ("dispatch_send_us", "dispatch_recv_us", "combine_send_us", "combine_recv_us"))}
+        phases = phase_timeline([g["ours"]["stamps"] for g in gathered])
         rows.append(dict(method="jax_moe_comm_nvshmem", dispatch_us=d_med, combine_us=c_med,
-                         total_us=t_med, p90_total_us=t_p90, **halves, **base))
+                         total_us=t_med, p90_total_us=t_p90, **halves, **base,
+                         phases_us=phases))
         pair_bytes = (cfg.hidden * cfg.dispatch_dtype.itemsize + 4 * cfg.num_scales +
                       cfg.hidden * 2) * WORLD
         dense_total = {}
@@ -287,6 +317,7 @@ def main() -> int:
             f"{floor_us:7.1f} us; ours/floor {t_med / floor_us:5.1f}x; dense/ours "
             f"{dt_med / t_med:5.1f}x; expert-padded dense {de_med:9.1f} us "
             f"({de_med / t_med:5.1f}x ours)")
+        say(format_timeline(phases))
         for blocks in grids[1:]:  # the same case on other grids: which grid is fastest where
             _, _, other = time_ours(case, mesh, args.samples, args.warmup, 0, blocks)
             o = np.max(np.array(kv_gather(f"{case}:{blocks}", other["plain"])), axis=0)

@@ -14,8 +14,6 @@
 
 namespace jmc {
 
-constexpr int kTimingSlots = 2 * kNumKernels;
-
 struct Handle {
   int64_t id = 0;
   Shape shape{};

@@ -107,7 +107,13 @@ __device__ __forceinline__ uint64_t launch_epoch(const CommonParams& c, KernelId
 
 __device__ __forceinline__ void stamp_start(const CommonParams& c, KernelId kernel) {
   if (c.timings != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
-    c.timings[2 * kernel] = globaltimer_ns();
+    c.timings[start_slot(kernel)] = globaltimer_ns();
+}
+
+// A phase mark of block 0 (kernels.h); call it from thread 0 after the block's barrier.
+__device__ __forceinline__ void stamp_mark(const CommonParams& c, KernelId kernel, Mark mark) {
+  if (c.timings != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
+    c.timings[mark_slot(kernel, mark)] = globaltimer_ns();
 }
 
 // Every block calls this at its end. Returns true in all threads of the last block to get
@@ -115,6 +121,7 @@ __device__ __forceinline__ void stamp_start(const CommonParams& c, KernelId kern
 __device__ __forceinline__ bool is_last_block(const CommonParams& c, KernelId kernel) {
   __shared__ bool last;
   __syncthreads();
+  stamp_mark(c, kernel, kWorked);
   if (threadIdx.x == 0) {
     __threadfence();
     last = atomicAdd(&c.scratch.state->ticket[kernel], 1u) == gridDim.x - 1;
@@ -130,7 +137,7 @@ __device__ __forceinline__ void finish_launch(const CommonParams& c, KernelId ke
   if (threadIdx.x == 0) {
     c.scratch.state->ticket[kernel] = 0;
     c.scratch.state->epoch[kernel] = epoch;
-    if (c.timings != nullptr) c.timings[2 * kernel + 1] = globaltimer_ns();
+    if (c.timings != nullptr) c.timings[end_slot(kernel)] = globaltimer_ns();
   }
 }
 

@@ -26,6 +26,10 @@ __global__ void barrier_kernel(const BarrierParams p) {
     const Wait w = wait_ge(c, &c.sym.barrier_flag[peer], p.epoch, deadline, &seen);
     check_wait(c, w, kPhaseBarrier, peer, -1, p.epoch, seen, kWhatNone);
   }
+  if (c.timings != nullptr) {
+    __syncthreads();
+    if (threadIdx.x == 0) c.timings[kBarrierEndSlot] = globaltimer_ns();
+  }
 }
 
 __global__ void timestamp_kernel(uint64_t* out) { *out = globaltimer_ns(); }

@@ -122,6 +122,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm
       live = __all_sync(0xffffffffu, ok);
       __syncwarp();
       healthy = live;
+      if (i == w.warp) stamp_mark(c, kCombineRecvKernel, kWaited);  // block 0: token 0's rows
     }
 
     // Step 2: weighted sum in f32 over the part's chunks (zeros for dead or failed tokens).

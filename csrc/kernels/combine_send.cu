@@ -49,6 +49,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm
     }
   }
   ok = __syncthreads_and(ok);
+  stamp_mark(c, kCombineSendKernel, kWaited);
 
   // Step 2: rows of all experts numbered through a prefix of the counts.
   extern __shared__ int first_row[];  // [L + 1]

@@ -65,6 +65,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm
     for (int g = 0; g < G; ++g) first_record[g + 1] += first_record[g];
   }
   __syncthreads();
+  stamp_mark(c, kDispatchRecvKernel, kWaited);
 
   // Step 2: every record of every group, as it lands.
   const uint32_t total = poisoned(c) ? 0 : first_record[G];

@@ -85,6 +85,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm
     }
   }
   ok = __syncthreads_and(ok);
+  stamp_mark(c, kDispatchSendKernel, kWaited);
 
   // Step 2: one record per (token, destination) pair that has an expert there.
   const int items = ok ? num_tokens * G : 0;

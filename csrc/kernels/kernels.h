@@ -31,6 +31,20 @@ enum KernelId : int {
 };
 constexpr int kNumKernels = 4;
 
+// Benchmark stamps (%globaltimer ns; one GPU clock, so comparable across ranks on one GPU).
+// Per kernel: start and end (first and last block), then two marks of block 0: its waits for
+// peers are over ("waited") and its share of the work is done ("worked"); then the end of
+// the barrier kernel. The phases they bound are what benchmarks/bench_all_to_all.py --phases
+// reports.
+enum Mark : int { kWaited = 0, kWorked = 1 };
+__host__ __device__ constexpr int start_slot(KernelId k) { return 2 * k; }
+__host__ __device__ constexpr int end_slot(KernelId k) { return 2 * k + 1; }
+__host__ __device__ constexpr int mark_slot(KernelId k, Mark m) {
+  return 2 * kNumKernels + 2 * k + m;
+}
+constexpr int kBarrierEndSlot = 4 * kNumKernels;
+constexpr int kTimingSlots = kBarrierEndSlot + 1;
+
 // Per-handle state in ordinary device memory, owned by the kernels. Epochs count completed
 // launches of each kernel (the cycle number its flags carry); tickets elect the last block.
 struct DeviceState {
@@ -50,7 +64,7 @@ struct CommonParams {
   SymmetricLayout sym;
   LocalScratch scratch;
   ErrorRecord* error;  // device view of the pinned record
-  uint64_t* timings;   // [2 * kNumKernels] %globaltimer (start, end) per kernel, or nullptr
+  uint64_t* timings;   // [kTimingSlots] %globaltimer stamps (benchmarks), or nullptr
   int rank;
   uint64_t timeout_ns;
 };
