@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jax_moe_comm import (AllToAll, KernelTuning, MoEConfig, bootstrap, native,  # noqa: E402
                           order_after, testing as T)
 from jax_moe_comm.backends.nvshmem import DenseAllToAll  # noqa: E402
+from timeline import format_timeline, phase_timeline  # noqa: E402  (benchmarks/)
 
 CONFIGS = {"V2Lite": (64, 6, 2048), "R1": (256, 8, 7168)}
 
@@ -62,38 +63,6 @@ class Case:
 def kv_gather(tag: str, payload) -> list:
     """Every rank's JSON payload, in rank order, through JAX's key-value store."""
     return [json.loads(v) for v in bootstrap.all_gather(f"bench:{tag}", json.dumps(payload))]
-
-
-# The kernels' stamps (csrc/kernels/kernels.h): per kernel start/end at 2k, 2k+1, block 0's
-# "waited" / "worked" marks at 8 + 2k, 9 + 2k, and the barrier's end at 16.
-KERNELS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
-BARRIER_END = 16
-
-
-def phase_timeline(stamps) -> dict:
-    """Where a sample's time goes, from every rank's stamps of one sample ([ranks, samples,
-    17] ns, one GPU clock). Times are us after the first rank left the barrier; each event
-    gives [earliest rank, latest rank], medians over samples. The gap from one rank's start
-    to its "waited" mark is time spent waiting for peers (or their acknowledgement)."""
-    s = np.asarray(stamps, dtype=np.int64)
-    t0 = s[:, :, BARRIER_END].min(axis=0)  # [samples]
-    rel = (s - t0[None, :, None]).astype(np.float64) / 1e3  # small ints: exact in float64
-    out = {"barrier_end": rel[:, :, BARRIER_END]}
-    for k, name in enumerate(KERNELS):
-        for event, slot in (("start", 2 * k), ("waited", 8 + 2 * k), ("worked", 9 + 2 * k),
-                            ("end", 2 * k + 1)):
-            out[f"{name}.{event}"] = rel[:, :, slot]
-    return {key: [round(float(np.median(v.min(axis=0))), 1),
-                  round(float(np.median(v.max(axis=0))), 1)] for key, v in out.items()}
-
-
-def format_timeline(phases: dict) -> str:
-    lines = [f"  barrier end {phases['barrier_end'][0]:6.1f} ..{phases['barrier_end'][1]:6.1f}"]
-    for name in KERNELS:
-        lines.append(f"  {name:13s} " + "  ".join(
-            f"{event} {phases[f'{name}.{event}'][0]:6.1f} ..{phases[f'{name}.{event}'][1]:6.1f}"
-            for event in ("start", "waited", "worked", "end")))
-    return "\n".join(lines)
 
 
 def wire_bytes(cfg: MoEConfig, inp: T.Inputs) -> tuple[int, int, int, int]:
