@@ -12,6 +12,29 @@ namespace jmc {
 
 constexpr int kWarpSize = 32;
 
+// SETs a 64-bit flag (count, ack, abort word, barrier flag) on `pe`. A peer reachable by
+// load/store gets NVSHMEM's signal (a store). Any other peer gets a plain 8-byte put behind
+// nvshmem_fence: proxy transports run signals as atomics at the target, which UCX cannot do
+// without GDRCopy ("AMO 8 not supported ... GDRCopy Disabled", DESIGN §11), and flags only
+// need SET: a whole aligned word, never added to.
+__device__ __forceinline__ void set_flag(uint64_t* flag, uint64_t value, int pe) {
+  if (nvshmem_ptr(flag, pe) != nullptr) {
+    nvshmemx_signal_op(flag, value, NVSHMEM_SIGNAL_SET, pe);
+  } else {
+    nvshmem_fence();  // puts to pe issued before this one land first
+    nvshmem_uint64_p(flag, value, pe);
+  }
+}
+
+// The whole warp puts `bytes` from symmetric `src` to `dst` on a peer not reachable by
+// load/store, then lane 0 sets the flag behind the data (set_flag's fence orders them).
+__device__ __forceinline__ void put_then_flag_warp(void* dst, const void* src, size_t bytes,
+                                                   uint64_t* flag, uint64_t value, int pe) {
+  nvshmemx_putmem_nbi_warp(dst, src, bytes, pe);
+  if (threadIdx.x % kWarpSize == 0) set_flag(flag, value, pe);
+  __syncwarp();
+}
+
 // Records the first error of this rank and tells every rank (itself included) through the
 // abort word, so their waits fail fast instead of each running into its own timeout.
 __device__ __forceinline__ void fail(const CommonParams& c, ErrorCode code, Phase phase,
@@ -21,7 +44,7 @@ __device__ __forceinline__ void fail(const CommonParams& c, ErrorCode code, Phas
   if (code == kPeerAborted) return;  // the peer that failed first told everyone already
   const uint64_t word = abort_value(code, c.rank);
   for (int pe = 0; pe < c.shape.world_size; ++pe)
-    nvshmemx_signal_op(c.sym.abort_word, word, NVSHMEM_SIGNAL_SET, pe);
+    set_flag(c.sym.abort_word, word, pe);
 }
 
 // True once this rank or any peer reported an error on the handle: every kernel then does

@@ -20,7 +20,7 @@ __global__ void barrier_kernel(const BarrierParams p) {
   const CommonParams& c = p.c;
   const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
   for (int peer = threadIdx.x; peer < c.shape.world_size; peer += blockDim.x)
-    nvshmemx_signal_op(&c.sym.barrier_flag[c.rank], p.epoch, NVSHMEM_SIGNAL_SET, peer);
+    set_flag(&c.sym.barrier_flag[c.rank], p.epoch, peer);
   for (int peer = threadIdx.x; peer < c.shape.world_size; peer += blockDim.x) {
     uint64_t seen = 0;
     const Wait w = wait_ge(c, &c.sym.barrier_flag[peer], p.epoch, deadline, &seen);

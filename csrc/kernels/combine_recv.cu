@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm
   if (!is_last_block(c, kCombineRecvKernel)) return;
   if (!poisoned(c)) {
     for (int h = threadIdx.x; h < s.world_size; h += blockDim.x)
-      nvshmemx_signal_op(&sym.combine_ack[c.rank], epoch, NVSHMEM_SIGNAL_SET, h);
+      set_flag(&sym.combine_ack[c.rank], epoch, h);
   }
   finish_launch(c, kCombineRecvKernel, epoch);
 }

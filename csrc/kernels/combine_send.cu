@@ -17,7 +17,7 @@
 //      - h reachable by load/store: 16-byte stores from expert_y straight into h's
 //        combine_rows, then __syncwarp, fence.sys, flag store;
 //      - otherwise copied once into combine_staging[i] (symmetric; XLA's expert_y may be
-//        reused before a network put has read it) and sent with putmem_signal_nbi_warp.
+//        reused before a network put has read it), put, and the flag put behind a fence.
 // 4. The last block advances the epoch. No counts travel: home ranks know from their own
 //    indices which slots come back.
 // 5. Errors: a count outside [0, R] or a source out of range is recorded and broadcast.
@@ -100,8 +100,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm
           __syncwarp();
           staged = copy;
         }
-        nvshmemx_putmem_signal_nbi_warp(row, staged, sym.combine_row_bytes, flag, epoch,
-                                        NVSHMEM_SIGNAL_SET, home);
+        put_then_flag_warp(row, staged, sym.combine_row_bytes, flag, epoch, home);
       }
     }
   }

@@ -126,8 +126,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm
   }
   if (healthy) {
     for (int g = threadIdx.x; g < G; g += blockDim.x)
-      nvshmemx_signal_op(&sym.dispatch_ack[c.rank], epoch, NVSHMEM_SIGNAL_SET,
-                         g * dp + c.rank % dp);
+      set_flag(&sym.dispatch_ack[c.rank], epoch, g * dp + c.rank % dp);
   }
   finish_launch(c, kDispatchRecvKernel, epoch);
 }

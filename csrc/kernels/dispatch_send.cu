@@ -19,7 +19,7 @@
 //      - d_g reachable by load/store (nvshmem_ptr != nullptr): straight into the peer's
 //        recv_records with 16-byte stores, then __syncwarp, fence.sys and the flag store;
 //      - otherwise packed into send_records[t][g] (symmetric) and sent with
-//        nvshmemx_putmem_signal_nbi_warp(..., SIGNAL_SET e), which fences before the flag.
+//        a warp put, then the flag put behind a fence (core/protocol.cuh put_then_flag_warp).
 // 5. The last block publishes the counts (the receivers wait on each record's flag, so the
 //    count needs no ordering with the data), re-arms send_count and advances the epoch.
 // 6. Errors: an expert id outside [-1, E) or num_tokens outside [0, max_m] is recorded and
@@ -119,8 +119,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm
       uint8_t* staged = sym.send_record(t, g);
       write_record(p, staged, t, w.lane);
       __syncwarp();
-      nvshmemx_putmem_signal_nbi_warp(rec, staged, sym.record.bytes, flag, epoch,
-                                      NVSHMEM_SIGNAL_SET, dst);
+      put_then_flag_warp(rec, staged, sym.record.bytes, flag, epoch, dst);
     }
   }
 
@@ -130,8 +129,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm
   for (int g = threadIdx.x; g < G; g += blockDim.x) {
     const uint32_t count = atomicExch(&c.scratch.send_count[g], 0u);
     if (publish)
-      nvshmemx_signal_op(&sym.dispatch_count[my_group], count_word(epoch, count),
-                         NVSHMEM_SIGNAL_SET, g * dp + my_member);
+      set_flag(&sym.dispatch_count[my_group], count_word(epoch, count), g * dp + my_member);
   }
   finish_launch(c, kDispatchSendKernel, epoch);
 }
