@@ -56,6 +56,16 @@ Launch launch_for(const Shape& s, KernelId kernel, Launch tuning) {
   return Launch{static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wave, needed))), wpb};
 }
 
+// A fused op's grid: the larger of its two halves' grids, but never more than one wave at the
+// fused kernel's occupancy (its recv blocks wait on its send blocks: all must be resident).
+Launch fused_launch_for(const Shape& s, FusedOp op, const Launch (&split)[kNumKernels]) {
+  const Launch a = split[op == kFusedDispatch ? kDispatchSendKernel : kCombineSendKernel];
+  const Launch b = split[op == kFusedDispatch ? kDispatchRecvKernel : kCombineRecvKernel];
+  const int wpb = a.warps_per_block;
+  const int wave = usable_sms() * std::max(1, fused_blocks_per_sm(s, op, wpb));
+  return Launch{std::max(1, std::min(wave, std::max(a.num_blocks, b.num_blocks))), wpb};
+}
+
 // Local (non-collective) allocations; "" or what failed.
 std::string allocate_local(Handle* h) {
   const Shape& s = h->shape;
@@ -133,6 +143,8 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
   h->staged = staged;
   for (int kernel = 0; kernel < kNumKernels; ++kernel)
     h->launch[kernel] = launch_for(shape, static_cast<KernelId>(kernel), tuning);
+  for (int op = 0; op < kNumFusedOps; ++op)
+    h->fused_launch[op] = fused_launch_for(shape, static_cast<FusedOp>(op), h->launch);
   std::string error = allocate_local(h.get());  // local first: nothing collective can fail on it
 
   size_t bytes = 0;

@@ -18,7 +18,8 @@ struct Handle {
   int64_t id = 0;
   Shape shape{};
   int rank = 0;
-  Launch launch[kNumKernels]{};
+  Launch launch[kNumKernels]{};         // the split ops' kernels
+  Launch fused_launch[kNumFusedOps]{};  // dispatch, combine (kernels/fused.cu)
   uint64_t timeout_ns = 0;
   bool staged = false;        // some peer is not reachable by load/store
   void* symmetric = nullptr;  // one nvshmem_malloc

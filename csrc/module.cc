@@ -110,6 +110,8 @@ NB_MODULE(_native, m) {
     auto h = handle(id);
     std::vector<std::tuple<int, int>> out;
     for (const jmc::Launch& l : h->launch) out.emplace_back(l.num_blocks, l.warps_per_block);
+    for (const jmc::Launch& l : h->fused_launch)
+      out.emplace_back(l.num_blocks, l.warps_per_block);
     return out;
   });
   // The first recorded kernel error ("" if none). Reads pinned memory: no device sync.
@@ -156,6 +158,8 @@ NB_MODULE(_native, m) {
   targets["jmc_dispatch_recv"] = handler_capsule(jmc::kDispatchRecv);
   targets["jmc_combine_send"] = handler_capsule(jmc::kCombineSend);
   targets["jmc_combine_recv"] = handler_capsule(jmc::kCombineRecv);
+  targets["jmc_dispatch"] = handler_capsule(jmc::kDispatch);
+  targets["jmc_combine"] = handler_capsule(jmc::kCombine);
   targets["jmc_barrier"] = handler_capsule(jmc::kBarrier);
   targets["jmc_dense_all_to_all"] = handler_capsule(jmc::kDenseAllToAll);
   m.attr("ffi_targets") = targets;

@@ -287,6 +287,9 @@ class AllToAll:
         differentiated). weights [max_m, k] f32, optional: returned per row as
         DispatchOutput.expert_weights.
         """
+        return self._dispatch_send(x, indices, num_tokens, x_scale, weights, fused=False)
+
+    def _dispatch_send(self, x, indices, num_tokens, x_scale, weights, fused: bool):
         self._live()
         cfg = self.config
         quantize = rt.check_tokens(cfg, x, x_scale)
@@ -298,7 +301,7 @@ class AllToAll:
             first, merged = rt.merge_repeats(indices, weights)
         sent, sent_scale = (quant.quantize(jax.lax.stop_gradient(x)) if quantize
                             else (x, x_scale))
-        state = ad.dispatch_send(self._plan, sent, sent_scale, first, num_tokens, merged)
+        state = ad.dispatch_send(self._plan, sent, sent_scale, first, num_tokens, merged, fused)
         return PendingDispatch(state, ad.DispatchArgs(x, x_scale, first, num_tokens, merged))
 
     def dispatch_recv(self, pending: PendingDispatch) -> DispatchOutput:
@@ -322,8 +325,10 @@ class AllToAll:
         return DispatchOutput(expert_x, scale, counts, Routing(routing, counts), ew)
 
     def dispatch(self, x, indices, num_tokens, *, x_scale=None, weights=None) -> DispatchOutput:
-        return self.dispatch_recv(self.dispatch_send(x, indices, num_tokens, x_scale=x_scale,
-                                                     weights=weights))
+        """dispatch_send then dispatch_recv, with nothing between: the nvshmem backend runs
+        both halves in one kernel launch."""
+        return self.dispatch_recv(self._dispatch_send(x, indices, num_tokens, x_scale, weights,
+                                                      fused=True))
 
     # -- combine ---------------------------------------------------------------------------
     def combine_send(self, expert_y, routing) -> PendingCombine:
@@ -333,6 +338,9 @@ class AllToAll:
         [max_recv_total, H] ("packed"), row for row as dispatch laid out expert_x.
         routing: the DispatchOutput.routing of that dispatch.
         """
+        return self._combine_send(expert_y, routing, fused=False)
+
+    def _combine_send(self, expert_y, routing, fused: bool) -> PendingCombine:
         self._live()
         cfg = self.config
         if not isinstance(routing, Routing):
@@ -347,7 +355,7 @@ class AllToAll:
         else:
             rt.check_array("expert_y", expert_y, (L, R, H), cfg.combine_dtype,
                            hint="layout='padded': one row per expert_x row")
-        state = ad.combine_send(self._plan, expert_y, routing.backend)
+        state = ad.combine_send(self._plan, expert_y, routing.backend, fused)
         return PendingCombine(state, ad.CombineArgs(expert_y, routing.backend))
 
     def combine_recv(self, pending: PendingCombine, indices, weights, num_tokens) -> jax.Array:
@@ -370,8 +378,9 @@ class AllToAll:
                                       merged, num_tokens))
 
     def combine(self, expert_y, routing, indices, weights, num_tokens) -> jax.Array:
-        return self.combine_recv(self.combine_send(expert_y, routing), indices, weights,
-                                 num_tokens)
+        """combine_send then combine_recv, with nothing between (one launch on nvshmem)."""
+        return self.combine_recv(self._combine_send(expert_y, routing, fused=True), indices,
+                                 weights, num_tokens)
 
 
 # -- packed layout ---------------------------------------------------------------------------

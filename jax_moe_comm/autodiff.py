@@ -171,18 +171,52 @@ def _zero_past(mask, x):
                      jnp.zeros((), x.dtype))
 
 
+# -- fused ops ------------------------------------------------------------------------------
+class FusedDispatch(NamedTuple):
+    """A dispatch whose send is not issued yet: dispatch_recv's rule runs the backend's fused
+    op (send and recv in one launch) on these inputs instead of a recv of a ticket."""
+
+    x: jax.Array
+    x_scale: jax.Array | None
+    indices: jax.Array
+    num_tokens: jax.Array
+    weights: jax.Array | None
+
+
+class FusedCombine(NamedTuple):
+    """A combine whose send is not issued yet (see FusedDispatch)."""
+
+    expert_y: jax.Array
+    routing: Any
+
+
+def has_fused_ops(backend) -> bool:
+    """Whether the backend's class has one-launch dispatch and combine (nvshmem). Asked of the
+    class, so a wrapper that forwards everything else with __getattr__ (the tests' shuffling
+    backend) runs send, then recv, through its own overrides."""
+    return bool(getattr(type(backend), "fused_ops", False))
+
+
 # -- dispatch ------------------------------------------------------------------------------
-def dispatch_send(plan: Plan, x, x_scale, indices, num_tokens, weights):
+def dispatch_send(plan: Plan, x, x_scale, indices, num_tokens, weights, fused: bool = False):
     """The backend's send on values only: the gradient flows through dispatch_recv's rule
-    (an FFI call with a perturbed input cannot even be traced under jax.grad)."""
+    (an FFI call with a perturbed input cannot even be traced under jax.grad). fused: the
+    caller's recv follows at once; a backend with fused ops then sends nothing here and
+    dispatch_recv runs both halves in one launch."""
     args = jax.lax.stop_gradient((x, x_scale, indices, num_tokens, weights))
     x, x_scale, indices, num_tokens, weights = no_vmap("dispatch_send", *args)
+    if fused and has_fused_ops(plan.fwd):
+        return FusedDispatch(x, x_scale, indices, num_tokens, weights)
     return plan.fwd.dispatch_send(x, x_scale, indices, num_tokens, weights=weights)
 
 
 def _dispatch_out(plan: Plan, dequantize: bool, has_weights: bool, state):
     state = no_vmap("dispatch_recv", state)[0]
-    ex, scale, counts, routing, ew = plan.fwd.dispatch_recv(state)
+    if isinstance(state, FusedDispatch):
+        ex, scale, counts, routing, ew = plan.fwd.dispatch(
+            state.x, state.x_scale, state.indices, state.num_tokens, weights=state.weights)
+    else:
+        ex, scale, counts, routing, ew = plan.fwd.dispatch_recv(state)
     live = _live_rows(counts, plan.cfg.max_recv_tokens)
     if dequantize:  # writes every row anyway: masking is free
         ex = _zero_past(live, quant.dequantize(ex, scale)).astype(jnp.bfloat16)
@@ -271,21 +305,31 @@ def dispatch_grad(plan: Plan, ct_expert_x, routing, counts, indices, num_tokens)
 
 
 # -- combine -------------------------------------------------------------------------------
-def combine_send(plan: Plan, expert_y, routing):
-    """The backend's send on values only (the gradient flows through combine_recv's rule)."""
+def combine_send(plan: Plan, expert_y, routing, fused: bool = False):
+    """The backend's send on values only (the gradient flows through combine_recv's rule);
+    fused: as dispatch_send."""
     expert_y, routing = no_vmap("combine_send", *jax.lax.stop_gradient((expert_y, routing)))
+    if fused and has_fused_ops(plan.fwd):
+        return FusedCombine(expert_y, routing)
     return plan.fwd.combine_send(expert_y, routing)
 
 
-def _combine_args(state, indices, weights, num_tokens):
-    return no_vmap("combine_recv", state, indices, weights, num_tokens)
+def _combine_y(plan: Plan, state, indices, weights, num_tokens, slot_rows=False):
+    """y (and the slot rows) of the combine in flight: a recv of its ticket, or the fused op."""
+    state, indices, weights, num_tokens = no_vmap("combine_recv", state, indices, weights,
+                                                  num_tokens)
+    more = dict(slot_rows=True) if slot_rows else {}
+    if isinstance(state, FusedCombine):
+        return plan.fwd.combine(state.expert_y, state.routing, indices, weights, num_tokens,
+                                **more)
+    return plan.fwd.combine_recv(state, indices, weights, num_tokens, **more)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _combine_recv(plan: Plan, state, expert_y, routing, indices, weights, num_tokens):
     """y of the combine that `state` is in flight for; expert_y and routing are that
     combine's inputs, taken here only so that their gradient has a rule."""
-    return plan.fwd.combine_recv(*_combine_args(state, indices, weights, num_tokens))
+    return _combine_y(plan, state, indices, weights, num_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,12 +351,11 @@ def _combine_fwd(plan, state, expert_y, routing, indices, weights, num_tokens):
     weights, w_perturbed = _unwrap(weights)
     if (y_perturbed or w_perturbed) and not plan.differentiable:
         raise ValueError(NEEDS_BACKWARD.format(op="AllToAll.combine"))
-    args = _combine_args(state, indices, weights, num_tokens)
     slot_rows = None
     if w_perturbed:
-        y, slot_rows = plan.fwd.combine_recv(*args, slot_rows=True)
+        y, slot_rows = _combine_y(plan, state, indices, weights, num_tokens, slot_rows=True)
     else:
-        y = plan.fwd.combine_recv(*args)
+        y = _combine_y(plan, state, indices, weights, num_tokens)
     res = _CombineRes(*_named((slot_rows, routing if y_perturbed else None, indices, weights,
                                num_tokens)), expert_y.dtype)
     return y, res

@@ -73,29 +73,43 @@ def expected_y(cfg: MoEConfig, x, ids, w, nt):
     return jnp.where(live, y, 0.0)
 
 
-def make_loop(a2a: AllToAll, mesh, cycles: int, max_spin: int, split_combine: bool = True):
-    """jit(shard_map(fori_loop over cycles)) -> per-rank count of cycles whose y was wrong."""
+def make_loop(a2a: AllToAll, mesh, cycles: int, max_spin: int, mode: str = "split"):
+    """jit(shard_map(fori_loop over cycles)) -> per-rank count of cycles whose y was wrong.
+    mode "split": send, a random per-rank delay, recv (both ops); "fused": the delay, then the
+    one-launch op (both ops); "mixed": a split cycle and a fused cycle per iteration, on the
+    same handle (their epochs interleave)."""
     cfg = a2a.config
 
-    def per_rank(seed):
-        rank = jax.lax.axis_index("ep")
+    def one_cycle(key, rank, fused):
         group = rank // cfg.dp_size
-
-        def cycle(i, bad):
-            key = jax.random.fold_in(jax.random.key(seed[0]), i)
-            x, ids, w, nt = random_cycle_inputs(cfg, key, group)
-            d1, d2 = jax.random.randint(jax.random.fold_in(key, 7919 + rank), (2,), 0, max_spin)
+        x, ids, w, nt = random_cycle_inputs(cfg, key, group)
+        d1, d2 = jax.random.randint(jax.random.fold_in(key, 7919 + rank), (2,), 0, max_spin)
+        if fused:
+            x = order_after(x, spin(d1, x))
+            out = a2a.dispatch(x, ids, nt)
+            expert_y = T.expert_outputs(cfg, rank, out.expert_x, None)
+            expert_y = order_after(expert_y, spin(d2, expert_y))
+            y = a2a.combine(expert_y, out.routing, ids, w, nt).astype(jnp.float32)
+        else:
             pending = a2a.dispatch_send(x, ids, nt)
             pending = order_after(pending, spin(d1, pending))
             out = a2a.dispatch_recv(pending)
             expert_y = T.expert_outputs(cfg, rank, out.expert_x, None)
             sent = a2a.combine_send(expert_y, out.routing)
-            if split_combine:
-                sent = order_after(sent, spin(d2, sent))
+            sent = order_after(sent, spin(d2, sent))
             y = a2a.combine_recv(sent, ids, w, nt).astype(jnp.float32)
-            want = expected_y(cfg, x, ids, w, nt)
-            wrong = jnp.any(jnp.abs(y - want) > 0.02 * jnp.abs(want) + 0.05)
-            return bad + wrong.astype(jnp.int32)
+        want = expected_y(cfg, x, ids, w, nt)
+        return jnp.any(jnp.abs(y - want) > 0.02 * jnp.abs(want) + 0.05).astype(jnp.int32)
+
+    def per_rank(seed):
+        rank = jax.lax.axis_index("ep")
+
+        def cycle(i, bad):
+            key = jax.random.fold_in(jax.random.key(seed[0]), i)
+            if mode != "mixed":
+                return bad + one_cycle(key, rank, fused=mode == "fused")
+            bad = bad + one_cycle(key, rank, fused=False)
+            return bad + one_cycle(jax.random.fold_in(key, 1), rank, fused=True)
 
         return jax.lax.fori_loop(0, cycles, cycle, jnp.zeros_like(seed))
 
@@ -139,13 +153,14 @@ def main() -> int:
         return exit_test(mesh)
 
     for dp in sorted({dp for dp in (1, 2, WORLD) if WORLD % dp == 0}):
-        @suite.case(f"EP{WORLD}-dp{dp}-{cycles}-cycles-one-jit-skewed")
-        def jitted_loop(dp=dp):
-            with AllToAll(small_config(dp), backend="nvshmem") as a2a:
-                bad = my_value(make_loop(a2a, mesh, cycles, max_spin=24)())
-                a2a.check()
-                assert bad == 0, f"rank {RANK}: {bad} of {cycles} cycles wrong"
-                return f"0 of {cycles} cycles wrong"
+        for mode in ("split", "fused"):
+            @suite.case(f"EP{WORLD}-dp{dp}-{cycles}-cycles-one-jit-skewed-{mode}")
+            def jitted_loop(dp=dp, mode=mode):
+                with AllToAll(small_config(dp), backend="nvshmem") as a2a:
+                    bad = my_value(make_loop(a2a, mesh, cycles, max_spin=24, mode=mode)())
+                    a2a.check()
+                    assert bad == 0, f"rank {RANK}: {bad} of {cycles} cycles wrong"
+                    return f"0 of {cycles} cycles wrong"
 
     @suite.case(f"EP{WORLD}-two-handles-interleaved-in-one-jit")
     def two_handles():
@@ -163,7 +178,8 @@ def main() -> int:
                     pb = b.dispatch_send(ins[1][0], ins[1][1], ins[1][3])
                     ob = b.dispatch_recv(order_after(pb, pa))
                     oa = a.dispatch_recv(order_after(pa, ob))
-                    for h, c, o, (x, ids, w, nt) in ((a, a_cfg, oa, ins[0]), (b, b_cfg, ob, ins[1])):
+                    for h, c, o, (x, ids, w, nt) in ((a, a_cfg, oa, ins[0]),
+                                                     (b, b_cfg, ob, ins[1])):
                         ey = T.expert_outputs(c, rank, o.expert_x, None)
                         y = h.combine(ey, o.routing, ids, w, nt).astype(jnp.float32)
                         want = expected_y(c, x, ids, w, nt)
@@ -185,11 +201,11 @@ def main() -> int:
         @suite.case(f"EP{WORLD}-soak-{args.soak}-cycles-memory-flat")
         def soak():
             with AllToAll(small_config(max_num_tokens=32), backend="nvshmem") as a2a:
-                loop = make_loop(a2a, mesh, args.soak, max_spin=8)
+                loop = make_loop(a2a, mesh, args.soak // 2, max_spin=8, mode="mixed")
                 jax.block_until_ready(loop(1))  # compile + first run
                 free0 = native.module().device_memory()[0]
                 used0 = jax.local_devices()[0].memory_stats().get("bytes_in_use", 0)
-                bad = my_value(loop(2))
+                bad = my_value(loop(2))  # soak // 2 iterations of a split and a fused cycle
                 free1 = native.module().device_memory()[0]
                 used1 = jax.local_devices()[0].memory_stats().get("bytes_in_use", 0)
                 a2a.check()

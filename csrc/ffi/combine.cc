@@ -1,5 +1,5 @@
-// XLA FFI handlers of combine_send and combine_recv (host code only; see dispatch.cc on
-// why there is no command-buffer trait).
+// XLA FFI handlers of combine_send, combine_recv and the fused combine (host code only; see
+// dispatch.cc on why there is no command-buffer trait).
 #include <cuda_runtime.h>
 
 #include "core/check.h"
@@ -12,11 +12,10 @@ namespace ffi = xla::ffi;
 namespace jmc {
 namespace {
 
-ffi::Error CombineSend(cudaStream_t stream, int64_t handle, ffi::AnyBuffer expert_y,
-                       ffi::Buffer<ffi::S32> expert_num_tokens,
-                       ffi::Buffer<ffi::S32> row_source, ffi::Result<ffi::AnyBuffer> ticket) {
-  Call h;
-  JMC_RETURN_IF_ERROR(begin(handle, Op::kCombineSend, &h));
+// The send operands checked against the handle's shape, as the send body's parameters.
+ffi::Error send_params(const Call& h, ffi::AnyBuffer expert_y,
+                       ffi::Buffer<ffi::S32> expert_num_tokens, ffi::Buffer<ffi::S32> row_source,
+                       CombineSendParams* p) {
   const Shape& s = h->shape;
   const size_t rows = size_t(s.num_local_experts()) * s.max_recv_tokens();
   JMC_RETURN_IF_ERROR(check_bytes("expert_y", expert_y.size_bytes(),
@@ -24,8 +23,39 @@ ffi::Error CombineSend(cudaStream_t stream, int64_t handle, ffi::AnyBuffer exper
   JMC_RETURN_IF_ERROR(check_bytes("expert_num_tokens", expert_num_tokens.size_bytes(),
                                   size_t(s.num_local_experts()) * 4));
   JMC_RETURN_IF_ERROR(check_bytes("row_source", row_source.size_bytes(), rows * 4));
-  const CombineSendParams p{h->common(), static_cast<const uint8_t*>(expert_y.untyped_data()),
-                            expert_num_tokens.typed_data(), row_source.typed_data()};
+  *p = CombineSendParams{h->common(), static_cast<const uint8_t*>(expert_y.untyped_data()),
+                         expert_num_tokens.typed_data(), row_source.typed_data()};
+  return ffi::Error::Success();
+}
+
+// The recv operands and results checked against the handle's shape, as the recv body's
+// parameters.
+ffi::Error recv_params(const Call& h, ffi::Buffer<ffi::S32> indices,
+                       ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> num_tokens,
+                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> slot_rows,
+                       CombineRecvParams* p) {
+  const Shape& s = h->shape;
+  const size_t m = s.max_num_tokens, k = s.experts_per_token;
+  JMC_RETURN_IF_ERROR(check_bytes("indices", indices.size_bytes(), m * k * 4));
+  JMC_RETURN_IF_ERROR(check_bytes("weights", weights.size_bytes(), m * k * 4));
+  JMC_RETURN_IF_ERROR(check_bytes("num_tokens", num_tokens.size_bytes(), 4));
+  JMC_RETURN_IF_ERROR(check_bytes("y", y->size_bytes(), m * s.hidden * 2));
+  JMC_RETURN_IF_ERROR(check_optional_bytes("slot_rows", slot_rows->size_bytes(),
+                                           m * k * s.hidden * s.out_elem_bytes));
+  *p = CombineRecvParams{
+      h->common(), indices.typed_data(), weights.typed_data(), num_tokens.typed_data(),
+      static_cast<uint16_t*>(y->untyped_data()),
+      slot_rows->size_bytes() ? static_cast<uint8_t*>(slot_rows->untyped_data()) : nullptr};
+  return ffi::Error::Success();
+}
+
+ffi::Error CombineSend(cudaStream_t stream, int64_t handle, ffi::AnyBuffer expert_y,
+                       ffi::Buffer<ffi::S32> expert_num_tokens,
+                       ffi::Buffer<ffi::S32> row_source, ffi::Result<ffi::AnyBuffer> ticket) {
+  Call h;
+  JMC_RETURN_IF_ERROR(begin(handle, Op::kCombineSend, &h));
+  CombineSendParams p;
+  JMC_RETURN_IF_ERROR(send_params(h, expert_y, expert_num_tokens, row_source, &p));
   JMC_RETURN_IF_CUDA_ERROR(launch_combine_send(p, h->launch[kCombineSendKernel], stream));
   commit(h, Op::kCombineSend);
   return ffi::Error::Success();
@@ -37,20 +67,27 @@ ffi::Error CombineRecv(cudaStream_t stream, int64_t handle, ffi::AnyBuffer ticke
                        ffi::Result<ffi::AnyBuffer> slot_rows) {
   Call h;
   JMC_RETURN_IF_ERROR(begin(handle, Op::kCombineRecv, &h));
-  const Shape& s = h->shape;
-  const size_t m = s.max_num_tokens, k = s.experts_per_token;
-  JMC_RETURN_IF_ERROR(check_bytes("indices", indices.size_bytes(), m * k * 4));
-  JMC_RETURN_IF_ERROR(check_bytes("weights", weights.size_bytes(), m * k * 4));
-  JMC_RETURN_IF_ERROR(check_bytes("num_tokens", num_tokens.size_bytes(), 4));
-  JMC_RETURN_IF_ERROR(check_bytes("y", y->size_bytes(), m * s.hidden * 2));
-  JMC_RETURN_IF_ERROR(check_optional_bytes("slot_rows", slot_rows->size_bytes(),
-                                           m * k * s.hidden * s.out_elem_bytes));
-  const CombineRecvParams p{
-      h->common(), indices.typed_data(), weights.typed_data(), num_tokens.typed_data(),
-      static_cast<uint16_t*>(y->untyped_data()),
-      slot_rows->size_bytes() ? static_cast<uint8_t*>(slot_rows->untyped_data()) : nullptr};
+  CombineRecvParams p;
+  JMC_RETURN_IF_ERROR(recv_params(h, indices, weights, num_tokens, y, slot_rows, &p));
   JMC_RETURN_IF_CUDA_ERROR(launch_combine_recv(p, h->launch[kCombineRecvKernel], stream));
   commit(h, Op::kCombineRecv);
+  return ffi::Error::Success();
+}
+
+// The fused op: expert rows in, y out, one launch (kernels/fused.cu).
+ffi::Error Combine(cudaStream_t stream, int64_t handle, ffi::AnyBuffer expert_y,
+                   ffi::Buffer<ffi::S32> expert_num_tokens, ffi::Buffer<ffi::S32> row_source,
+                   ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::F32> weights,
+                   ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> y,
+                   ffi::Result<ffi::AnyBuffer> slot_rows) {
+  Call h;
+  JMC_RETURN_IF_ERROR(begin(handle, Op::kCombine, &h));
+  CombineSendParams send;
+  CombineRecvParams recv;
+  JMC_RETURN_IF_ERROR(send_params(h, expert_y, expert_num_tokens, row_source, &send));
+  JMC_RETURN_IF_ERROR(recv_params(h, indices, weights, num_tokens, y, slot_rows, &recv));
+  JMC_RETURN_IF_CUDA_ERROR(launch_combine(send, recv, h->fused_launch[kFusedCombine], stream));
+  commit(h, Op::kCombine);
   return ffi::Error::Success();
 }
 
@@ -70,6 +107,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCombineRecv, CombineRecv,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Attr<int64_t>("handle")
                                   .Arg<ffi::AnyBuffer>()         // ticket
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // indices
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // weights
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens
+                                  .Ret<ffi::AnyBuffer>()         // y
+                                  .Ret<ffi::AnyBuffer>());       // slot_rows (0 bytes: none)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCombine, Combine,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<int64_t>("handle")
+                                  .Arg<ffi::AnyBuffer>()         // expert_y
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // expert_num_tokens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // row_source
                                   .Arg<ffi::Buffer<ffi::S32>>()  // indices
                                   .Arg<ffi::Buffer<ffi::F32>>()  // weights
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens

@@ -12,7 +12,9 @@
 
 namespace jmc {
 
-enum class Op { kDispatchSend, kDispatchRecv, kCombineSend, kCombineRecv, kBarrier };
+// kDispatch and kCombine are the fused ops: a whole half in one call, nothing left in flight.
+enum class Op { kDispatchSend, kDispatchRecv, kCombineSend, kCombineRecv, kDispatch, kCombine,
+                kBarrier };
 
 inline const char* op_name(Op op) {
   switch (op) {
@@ -20,6 +22,8 @@ inline const char* op_name(Op op) {
     case Op::kDispatchRecv: return "dispatch_recv";
     case Op::kCombineSend: return "combine_send";
     case Op::kCombineRecv: return "combine_recv";
+    case Op::kDispatch: return "dispatch";
+    case Op::kCombine: return "combine";
     case Op::kBarrier: return "barrier";
   }
   return "?";
@@ -61,6 +65,7 @@ inline xla::ffi::Error begin(int64_t id, Op op, Call* call) {
                                " is unusable: close it and create a new AllToAll)");
   switch (op) {
     case Op::kDispatchSend:
+    case Op::kDispatch:
       if (h.dispatch_in_flight)
         return protocol_error(op, id, "a dispatch is already in flight (call dispatch_recv "
                                       "before the next dispatch_send)");
@@ -70,6 +75,7 @@ inline xla::ffi::Error begin(int64_t id, Op op, Call* call) {
         return protocol_error(op, id, "no dispatch_send before it");
       break;
     case Op::kCombineSend:
+    case Op::kCombine:
       if (h.combine_in_flight)
         return protocol_error(op, id, "a combine is already in flight (call combine_recv "
                                       "before the next combine_send)");
@@ -93,6 +99,8 @@ inline void commit(Call& call, Op op) {
     case Op::kDispatchRecv: h.dispatch_in_flight = false; break;
     case Op::kCombineSend: h.combine_in_flight = true; break;
     case Op::kCombineRecv: h.combine_in_flight = false; break;
+    case Op::kDispatch:
+    case Op::kCombine:
     case Op::kBarrier: break;
   }
 }

@@ -1,4 +1,4 @@
-// XLA FFI handlers of dispatch_send and dispatch_recv (host code only).
+// XLA FFI handlers of dispatch_send, dispatch_recv and the fused dispatch (host code only).
 // No kCmdBufferCompatible trait: the handlers keep per-call host state (which half is in
 // flight, the error check), so XLA must call them on every execution instead of replaying a
 // captured graph.
@@ -14,12 +14,10 @@ namespace ffi = xla::ffi;
 namespace jmc {
 namespace {
 
-ffi::Error DispatchSend(cudaStream_t stream, int64_t handle, ffi::AnyBuffer x,
-                        ffi::AnyBuffer x_scale, ffi::Buffer<ffi::S32> indices,
-                        ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> num_tokens,
-                        ffi::Result<ffi::AnyBuffer> ticket) {
-  Call h;
-  JMC_RETURN_IF_ERROR(begin(handle, Op::kDispatchSend, &h));
+// The send operands checked against the handle's shape, as the send body's parameters.
+ffi::Error send_params(const Call& h, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
+                       ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::F32> weights,
+                       ffi::Buffer<ffi::S32> num_tokens, DispatchSendParams* p) {
   const Shape& s = h->shape;
   const size_t m = s.max_num_tokens, k = s.experts_per_token;
   JMC_RETURN_IF_ERROR(check_bytes("x", x.size_bytes(), m * s.hidden * s.in_elem_bytes));
@@ -27,11 +25,46 @@ ffi::Error DispatchSend(cudaStream_t stream, int64_t handle, ffi::AnyBuffer x,
   JMC_RETURN_IF_ERROR(check_bytes("indices", indices.size_bytes(), m * k * 4));
   JMC_RETURN_IF_ERROR(check_optional_bytes("weights", weights.size_bytes(), m * k * 4));
   JMC_RETURN_IF_ERROR(check_bytes("num_tokens", num_tokens.size_bytes(), 4));
-  const DispatchSendParams p{
+  *p = DispatchSendParams{
       h->common(), static_cast<const uint8_t*>(x.untyped_data()),
       s.num_scales ? static_cast<const float*>(x_scale.untyped_data()) : nullptr,
       indices.typed_data(), weights.size_bytes() ? weights.typed_data() : nullptr,
       num_tokens.typed_data()};
+  return ffi::Error::Success();
+}
+
+// The recv results checked against the handle's shape, as the recv body's parameters.
+ffi::Error recv_params(const Call& h, ffi::Result<ffi::AnyBuffer> expert_x,
+                       ffi::Result<ffi::AnyBuffer> expert_x_scale,
+                       ffi::Result<ffi::Buffer<ffi::S32>> expert_num_tokens,
+                       ffi::Result<ffi::Buffer<ffi::S32>> row_source,
+                       ffi::Result<ffi::Buffer<ffi::F32>> expert_weights,
+                       DispatchRecvParams* p) {
+  const Shape& s = h->shape;
+  const size_t rows = size_t(s.num_local_experts()) * s.max_recv_tokens();
+  JMC_RETURN_IF_ERROR(check_bytes("expert_x", expert_x->size_bytes(),
+                                  rows * s.hidden * s.in_elem_bytes));
+  JMC_RETURN_IF_ERROR(check_bytes("expert_x_scale", expert_x_scale->size_bytes(),
+                                  rows * s.num_scales * 4));
+  JMC_RETURN_IF_ERROR(check_bytes("expert_num_tokens", expert_num_tokens->size_bytes(),
+                                  size_t(s.num_local_experts()) * 4));
+  JMC_RETURN_IF_ERROR(check_bytes("row_source", row_source->size_bytes(), rows * 4));
+  JMC_RETURN_IF_ERROR(check_bytes("expert_weights", expert_weights->size_bytes(), rows * 4));
+  *p = DispatchRecvParams{
+      h->common(), static_cast<uint8_t*>(expert_x->untyped_data()),
+      s.num_scales ? static_cast<float*>(expert_x_scale->untyped_data()) : nullptr,
+      expert_num_tokens->typed_data(), row_source->typed_data(), expert_weights->typed_data()};
+  return ffi::Error::Success();
+}
+
+ffi::Error DispatchSend(cudaStream_t stream, int64_t handle, ffi::AnyBuffer x,
+                        ffi::AnyBuffer x_scale, ffi::Buffer<ffi::S32> indices,
+                        ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> num_tokens,
+                        ffi::Result<ffi::AnyBuffer> ticket) {
+  Call h;
+  JMC_RETURN_IF_ERROR(begin(handle, Op::kDispatchSend, &h));
+  DispatchSendParams p;
+  JMC_RETURN_IF_ERROR(send_params(h, x, x_scale, indices, weights, num_tokens, &p));
   JMC_RETURN_IF_CUDA_ERROR(launch_dispatch_send(p, h->launch[kDispatchSendKernel], stream));
   commit(h, Op::kDispatchSend);
   return ffi::Error::Success();
@@ -45,22 +78,32 @@ ffi::Error DispatchRecv(cudaStream_t stream, int64_t handle, ffi::AnyBuffer tick
                         ffi::Result<ffi::Buffer<ffi::F32>> expert_weights) {
   Call h;
   JMC_RETURN_IF_ERROR(begin(handle, Op::kDispatchRecv, &h));
-  const Shape& s = h->shape;
-  const size_t rows = size_t(s.num_local_experts()) * s.max_recv_tokens();
-  JMC_RETURN_IF_ERROR(check_bytes("expert_x", expert_x->size_bytes(),
-                                  rows * s.hidden * s.in_elem_bytes));
-  JMC_RETURN_IF_ERROR(check_bytes("expert_x_scale", expert_x_scale->size_bytes(),
-                                  rows * s.num_scales * 4));
-  JMC_RETURN_IF_ERROR(check_bytes("expert_num_tokens", expert_num_tokens->size_bytes(),
-                                  size_t(s.num_local_experts()) * 4));
-  JMC_RETURN_IF_ERROR(check_bytes("row_source", row_source->size_bytes(), rows * 4));
-  JMC_RETURN_IF_ERROR(check_bytes("expert_weights", expert_weights->size_bytes(), rows * 4));
-  const DispatchRecvParams p{
-      h->common(), static_cast<uint8_t*>(expert_x->untyped_data()),
-      s.num_scales ? static_cast<float*>(expert_x_scale->untyped_data()) : nullptr,
-      expert_num_tokens->typed_data(), row_source->typed_data(), expert_weights->typed_data()};
+  DispatchRecvParams p;
+  JMC_RETURN_IF_ERROR(recv_params(h, expert_x, expert_x_scale, expert_num_tokens, row_source,
+                                  expert_weights, &p));
   JMC_RETURN_IF_CUDA_ERROR(launch_dispatch_recv(p, h->launch[kDispatchRecvKernel], stream));
   commit(h, Op::kDispatchRecv);
+  return ffi::Error::Success();
+}
+
+// The fused op: the send operands in, the recv results out, one launch (kernels/fused.cu).
+ffi::Error Dispatch(cudaStream_t stream, int64_t handle, ffi::AnyBuffer x,
+                    ffi::AnyBuffer x_scale, ffi::Buffer<ffi::S32> indices,
+                    ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> num_tokens,
+                    ffi::Result<ffi::AnyBuffer> expert_x,
+                    ffi::Result<ffi::AnyBuffer> expert_x_scale,
+                    ffi::Result<ffi::Buffer<ffi::S32>> expert_num_tokens,
+                    ffi::Result<ffi::Buffer<ffi::S32>> row_source,
+                    ffi::Result<ffi::Buffer<ffi::F32>> expert_weights) {
+  Call h;
+  JMC_RETURN_IF_ERROR(begin(handle, Op::kDispatch, &h));
+  DispatchSendParams send;
+  DispatchRecvParams recv;
+  JMC_RETURN_IF_ERROR(send_params(h, x, x_scale, indices, weights, num_tokens, &send));
+  JMC_RETURN_IF_ERROR(recv_params(h, expert_x, expert_x_scale, expert_num_tokens, row_source,
+                                  expert_weights, &recv));
+  JMC_RETURN_IF_CUDA_ERROR(launch_dispatch(send, recv, h->fused_launch[kFusedDispatch], stream));
+  commit(h, Op::kDispatch);
   return ffi::Error::Success();
 }
 
@@ -82,6 +125,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kDispatchRecv, DispatchRecv,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Attr<int64_t>("handle")
                                   .Arg<ffi::AnyBuffer>()           // ticket
+                                  .Ret<ffi::AnyBuffer>()           // expert_x
+                                  .Ret<ffi::AnyBuffer>()           // expert_x_scale
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // expert_num_tokens
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // row_source
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // expert_weights
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kDispatch, Dispatch,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<int64_t>("handle")
+                                  .Arg<ffi::AnyBuffer>()           // x
+                                  .Arg<ffi::AnyBuffer>()           // x_scale (0 cols: bf16)
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // indices
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // weights (0 cols: none)
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // num_tokens
                                   .Ret<ffi::AnyBuffer>()           // expert_x
                                   .Ret<ffi::AnyBuffer>()           // expert_x_scale
                                   .Ret<ffi::Buffer<ffi::S32>>()    // expert_num_tokens

@@ -8,6 +8,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kDispatchSend);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kDispatchRecv);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCombineSend);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCombineRecv);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kDispatch);  // send + recv in one launch
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCombine);   // send + recv in one launch
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kBarrier);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kDenseAllToAll);
 }  // namespace jmc

@@ -1,134 +1,13 @@
-// dispatch_recv: take every DP group's records as they land and lay them out per local expert.
-//
-// 1. Outputs: expert_x [L, R, H], expert_x_scale [L, R, S] (fp8), expert_num_tokens [L],
-//    row_source [L, R] (pack_source(group, token, slot)), expert_weights [L, R] f32; rows past
-//    the count are undefined. R = max_m * G.
-// 2. Symmetric memory, epoch e: local dispatch_count[g], dispatch_flag[g][i], recv_records[g][i]
-//    (written by the sender of group g, s_g = g * dp + rank % dp); on s_g: dispatch_ack[rank].
-// 3. Step 1, every block: one thread per group waits (bounded) for dispatch_count[g] to carry
-//    epoch e; its low word n_g (<= max_m, checked) is how many records come. A prefix over the
-//    groups goes to shared memory.
-//    Step 2: warps stride over all records of all groups. For record (g, i) the warp waits for
-//    its flag >= e (per-record: a warp starts copying as soon as its own record is there), checks
-//    the header (token < max_m), and for each expert id that is local takes a row with
-//    atomicAdd(expert_fill[e]) (< R, checked) and copies payload, scales, weight and source.
-// 4. The last block writes expert_num_tokens, re-arms expert_fill, and SETs dispatch_ack[rank]
-//    = e on every s_g: our recv_records may be overwritten by their next cycle.
-// 5. On any failure (timeout, abort word, bad value) the error is recorded and broadcast, the
-//    remaining records are skipped, no ack is sent, and on a poisoned handle every count is 0.
-#include "core/protocol.cuh"
-#include "core/vec.cuh"
+// dispatch_recv as a kernel of its own (the split op), its launcher and its occupancy.
+// Protocol and body: kernels/dispatch_recv.cuh (the fused ops in kernels/fused.cu share it).
+#include "kernels/dispatch_recv.cuh"
 
 namespace jmc {
 namespace {
 
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
     dispatch_recv_kernel(const DispatchRecvParams p) {
-  const CommonParams& c = p.c;
-  const Shape& s = c.shape;
-  const SymmetricLayout& sym = c.sym;
-  const Warps w;
-  stamp_start(c, kDispatchRecvKernel);
-  const uint64_t epoch = launch_epoch(c, kDispatchRecvKernel);
-  const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
-  const int k = s.experts_per_token, L = s.num_local_experts(), R = s.max_recv_tokens();
-  const int G = s.num_dp_groups(), dp = s.dp_size;
-  const int first_expert = c.rank * L;
-
-  // Step 1: how many records will each group send this cycle?
-  extern __shared__ uint32_t first_record[];  // [G + 1] prefix of the groups' record counts
-  bool ok = !poisoned_at_start(c, kPhaseDispatchRecv);
-  for (int g = threadIdx.x; g < G; g += blockDim.x) {
-    uint32_t n = 0;
-    if (ok) {
-      const int sender = g * dp + c.rank % dp;
-      uint64_t seen = 0;
-      const Wait r = wait_ge(c, &sym.dispatch_count[g], count_word(epoch, 0), deadline, &seen);
-      if (check_wait(c, r, kPhaseDispatchRecv, sender, -1, count_word(epoch, 0), seen,
-                     kWhatCount)) {
-        n = static_cast<uint32_t>(seen & 0xffffffffu);
-        if ((seen >> 32) != epoch) {
-          fail(c, kCorruptData, kPhaseDispatchRecv, sender, -1, epoch, seen >> 32, kWhatEpoch);
-          n = 0;
-        } else if (n > static_cast<uint32_t>(s.max_num_tokens)) {
-          fail(c, kCorruptData, kPhaseDispatchRecv, sender, -1, s.max_num_tokens, n,
-               kWhatCount);
-          n = 0;
-        }
-      }
-    }
-    first_record[g + 1] = n;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    first_record[0] = 0;
-    for (int g = 0; g < G; ++g) first_record[g + 1] += first_record[g];
-  }
-  __syncthreads();
-  stamp_mark(c, kDispatchRecvKernel, kWaited);
-
-  // Step 2: every record of every group, as it lands.
-  const uint32_t total = poisoned(c) ? 0 : first_record[G];
-  for (uint32_t i = w.warp; i < total; i += w.total) {
-    int g = 0;  // the group whose records cover i: largest g with first_record[g] <= i
-    for (int lo = 0, hi = G; hi - lo > 1;) {
-      const int mid = (lo + hi) / 2;
-      (first_record[mid] <= i ? lo : hi) = mid;
-      g = lo;
-    }
-    const int slot = static_cast<int>(i - first_record[g]);
-    const int sender = g * dp + c.rank % dp;
-    if (!warp_wait_ge(c, sym.record_flag(g, slot), epoch, deadline, kPhaseDispatchRecv, sender,
-                      -1, kWhatRecord))
-      break;
-    const uint8_t* rec = sym.recv_record(g, slot);
-    const int32_t* header = reinterpret_cast<const int32_t*>(rec);
-    const float* header_weights = reinterpret_cast<const float*>(header + 1 + k);
-    const int t = header[0];
-    if (t < 0 || t >= s.max_num_tokens) {
-      if (w.lane == 0)
-        fail(c, kCorruptData, kPhaseDispatchRecv, sender, t, s.max_num_tokens, t, kWhatRecord);
-      break;
-    }
-    for (int j = 0; j < k; ++j) {
-      const int e = header[1 + j] - first_expert;
-      if (e < 0 || e >= L) continue;
-      int row = 0;
-      if (w.lane == 0) row = static_cast<int>(atomicAdd(&c.scratch.expert_fill[e], 1u));
-      row = __shfl_sync(0xffffffffu, row, 0);
-      if (row >= R) {  // more rows than any routing can make: a corrupt header
-        if (w.lane == 0)
-          fail(c, kCorruptData, kPhaseDispatchRecv, sender, t, R, row, kWhatRow);
-        break;
-      }
-      const size_t out_row = static_cast<size_t>(e) * R + row;
-      warp_copy(p.expert_x + out_row * sym.record.payload_bytes, rec + sym.record.header_bytes,
-                sym.record.payload_bytes, w.lane);
-      if (p.expert_x_scale != nullptr) {
-        const float* scales = reinterpret_cast<const float*>(rec + sym.record.header_bytes +
-                                                             sym.record.payload_bytes);
-        for (int q = w.lane; q < s.num_scales; q += kWarpSize)
-          p.expert_x_scale[out_row * s.num_scales + q] = scales[q];
-      }
-      if (w.lane == 0) {
-        p.row_source[out_row] = pack_source(g, t, j, s.max_num_tokens, k);
-        p.expert_weights[out_row] = header_weights[j];
-      }
-    }
-  }
-
-  // Step 3: the last block publishes the counts and acknowledges every sender.
-  if (!is_last_block(c, kDispatchRecvKernel)) return;
-  const bool healthy = !poisoned(c);
-  for (int e = threadIdx.x; e < L; e += blockDim.x) {
-    const uint32_t filled = atomicExch(&c.scratch.expert_fill[e], 0u);
-    p.expert_num_tokens[e] = healthy ? static_cast<int32_t>(min(filled, uint32_t(R))) : 0;
-  }
-  if (healthy) {
-    for (int g = threadIdx.x; g < G; g += blockDim.x)
-      set_flag(&sym.dispatch_ack[c.rank], epoch, g * dp + c.rank % dp);
-  }
-  finish_launch(c, kDispatchRecvKernel, epoch);
+  dispatch_recv_body(p);
 }
 
 }  // namespace

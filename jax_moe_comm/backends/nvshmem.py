@@ -47,6 +47,7 @@ def raise_recorded(message: str) -> None:
 
 class NvshmemBackend:
     name = "nvshmem"
+    fused_ops = True  # dispatch() and combine(): both halves in one launch (autodiff.py)
 
     def __init__(self, cfg: MoEConfig, axis_name, tuning: KernelTuning,
                  timeout_s: float = DEFAULT_TIMEOUT_S):
@@ -96,41 +97,66 @@ class NvshmemBackend:
         return result_type(like, (1,), jnp.int32)
 
     # -- ops -------------------------------------------------------------------------------
-    def dispatch_send(self, x, x_scale, indices, num_tokens, weights=None):
+    def _send_operands(self, x, x_scale, indices, num_tokens, weights):
         cfg = self.cfg
         if x_scale is None:  # 0-column stand-ins keep one signature
             x_scale = jnp.zeros((cfg.max_num_tokens, 0), jnp.float32)
         if weights is None:
             weights = jnp.zeros((cfg.max_num_tokens, 0), jnp.float32)
-        return self._call("jmc_dispatch_send", self._ticket(x), x, x_scale, indices, weights,
-                          num_tokens, side_effect=True)
+        return x, x_scale, indices, weights, num_tokens
+
+    def _recv_results(self, like):
+        cfg = self.cfg
+        L, R, H, S = cfg.num_local_experts, cfg.max_recv_tokens, cfg.hidden, cfg.num_scales
+        return (result_type(like, (L, R, H), cfg.dispatch_dtype),
+                result_type(like, (L, R, S), jnp.float32),
+                result_type(like, (L,), jnp.int32),
+                result_type(like, (L, R), jnp.int32),
+                result_type(like, (L, R), jnp.float32))
+
+    def _recv_outputs(self, outputs):
+        expert_x, scale, counts, source, expert_w = outputs
+        return (expert_x, (scale if self.cfg.is_fp8 else None), counts,
+                Routing(counts, source), expert_w)
+
+    def dispatch_send(self, x, x_scale, indices, num_tokens, weights=None):
+        return self._call("jmc_dispatch_send", self._ticket(x),
+                          *self._send_operands(x, x_scale, indices, num_tokens, weights),
+                          side_effect=True)
 
     def dispatch_recv(self, ticket):
         """(expert_x, expert_x_scale | None, expert_num_tokens, routing, expert_weights)."""
-        cfg = self.cfg
-        L, R, H, S = cfg.num_local_experts, cfg.max_recv_tokens, cfg.hidden, cfg.num_scales
-        results = (result_type(ticket, (L, R, H), cfg.dispatch_dtype),
-                   result_type(ticket, (L, R, S), jnp.float32),
-                   result_type(ticket, (L,), jnp.int32),
-                   result_type(ticket, (L, R), jnp.int32),
-                   result_type(ticket, (L, R), jnp.float32))
-        expert_x, scale, counts, source, expert_w = self._call(
-            "jmc_dispatch_recv", results, ticket, side_effect=True)
-        return (expert_x, (scale if cfg.is_fp8 else None), counts, Routing(counts, source),
-                expert_w)
+        return self._recv_outputs(self._call("jmc_dispatch_recv", self._recv_results(ticket),
+                                             ticket, side_effect=True))
+
+    def dispatch(self, x, x_scale, indices, num_tokens, weights=None):
+        """dispatch_send + dispatch_recv in one launch; dispatch_recv's results."""
+        return self._recv_outputs(self._call(
+            "jmc_dispatch", self._recv_results(x),
+            *self._send_operands(x, x_scale, indices, num_tokens, weights), side_effect=True))
 
     def combine_send(self, expert_y, routing: Routing):
         return self._call("jmc_combine_send", self._ticket(expert_y), expert_y,
                           routing.expert_num_tokens, routing.row_source, side_effect=True)
 
+    def _y_results(self, like, slot_rows):
+        cfg = self.cfg
+        m, k, H = cfg.max_num_tokens, cfg.experts_per_token, cfg.hidden
+        return (result_type(like, (m, H), jnp.bfloat16),
+                result_type(like, (m, k, H) if slot_rows else (0,), cfg.combine_dtype))
+
     def combine_recv(self, ticket, indices, weights, num_tokens, slot_rows=False):
         """y [max_m, H] bf16; with slot_rows=True also the row that came back for each valid
         slot, [max_m, k, H] in the combine dtype (zeros elsewhere)."""
-        cfg = self.cfg
-        m, k, H = cfg.max_num_tokens, cfg.experts_per_token, cfg.hidden
-        results = (result_type(ticket, (m, H), jnp.bfloat16),
-                   result_type(ticket, (m, k, H) if slot_rows else (0,), cfg.combine_dtype))
-        y, slots = self._call("jmc_combine_recv", results, ticket, indices, weights,
+        y, slots = self._call("jmc_combine_recv", self._y_results(ticket, slot_rows), ticket,
+                              indices, weights, num_tokens, side_effect=True)
+        return (y, slots) if slot_rows else y
+
+    def combine(self, expert_y, routing: Routing, indices, weights, num_tokens,
+                slot_rows=False):
+        """combine_send + combine_recv in one launch; combine_recv's results."""
+        y, slots = self._call("jmc_combine", self._y_results(expert_y, slot_rows), expert_y,
+                              routing.expert_num_tokens, routing.row_source, indices, weights,
                               num_tokens, side_effect=True)
         return (y, slots) if slot_rows else y
 
@@ -158,7 +184,8 @@ class NvshmemBackend:
         raise_recorded(self._mod.check_handle(self.handle))
 
     def launch_shape(self) -> list[tuple[int, int]]:
-        """(blocks, warps per block) of dispatch_send, dispatch_recv, combine_send, combine_recv."""
+        """(blocks, warps per block) of dispatch_send, dispatch_recv, combine_send, combine_recv,
+        then of the fused dispatch and combine."""
         return [tuple(x) for x in self._mod.launch_shape(self.handle)]
 
     def close(self):

@@ -1,0 +1,156 @@
+// combine_recv: wait for every expert row of each of this rank's tokens, form the weighted sum
+// in f32, write y; then tell every rank that its rows have been read.
+//
+// 1. Inputs: indices [max_m, k] (repeated experts already -1), weights [max_m, k] (a repeated
+//    expert's weights merged on its first slot), num_tokens. Outputs: y [max_m, H] bf16, zero
+//    for rows >= num_tokens; optionally slot_rows [max_m, k, H] (combine dtype): the row that
+//    came back for each valid slot, zero elsewhere (the backward pass needs them).
+// 2. Symmetric memory, epoch e: local combine_flag[t][j], combine_rows[t][j]; on every rank h:
+//    combine_ack[rank] (SET e by the last block).
+// 3. Work items are (token, part) pairs: a token's H elements are split into P parts so that
+//    every warp of the grid has work even for one token (P = warps / num_tokens, at most one
+//    8-element chunk per lane per part). For a live token, lanes poll the flags of its valid
+//    slots in parallel (bounded), then each lane sums 8 hidden elements at a time over the k
+//    slots, y = sum_j w[t,j] * row(t, j), in f32. Slots whose expert id is -1 are never read,
+//    so a NaN weight there cannot leak into y.
+// 4. The last block SETs combine_ack[rank] = e on every rank: their next combine_send may
+//    overwrite our combine_rows. Nothing is reset.
+// 5. On a timeout or an abort the error is recorded and broadcast, no ack is sent, and every
+//    remaining row of y is written as zeros.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "core/protocol.cuh"
+#include "core/vec.cuh"
+
+namespace jmc {
+namespace {
+
+constexpr int kElemsPerChunk = 8;  // one 16-byte bf16 store of y per lane per step
+
+template <typename T>
+struct Chunk;
+
+template <>
+struct Chunk<__nv_bfloat16> {
+  int4 raw;
+  __device__ __forceinline__ void load(const uint8_t* row, int c) {
+    raw = reinterpret_cast<const int4*>(row)[c];
+  }
+  __device__ __forceinline__ void store(uint8_t* row, int c) const {
+    reinterpret_cast<int4*>(row)[c] = raw;
+  }
+  __device__ __forceinline__ void zero() { raw = make_int4(0, 0, 0, 0); }
+  __device__ __forceinline__ void accumulate(float w, float (&acc)[kElemsPerChunk]) const {
+    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < kElemsPerChunk / 2; ++i) {
+      const float2 f = __bfloat1622float2(pairs[i]);
+      acc[2 * i] += w * f.x;
+      acc[2 * i + 1] += w * f.y;
+    }
+  }
+};
+
+template <>
+struct Chunk<float> {
+  float4 a, b;
+  __device__ __forceinline__ void load(const uint8_t* row, int c) {
+    a = reinterpret_cast<const float4*>(row)[2 * c];
+    b = reinterpret_cast<const float4*>(row)[2 * c + 1];
+  }
+  __device__ __forceinline__ void store(uint8_t* row, int c) const {
+    reinterpret_cast<float4*>(row)[2 * c] = a;
+    reinterpret_cast<float4*>(row)[2 * c + 1] = b;
+  }
+  __device__ __forceinline__ void zero() { a = b = make_float4(0.f, 0.f, 0.f, 0.f); }
+  __device__ __forceinline__ void accumulate(float w, float (&acc)[kElemsPerChunk]) const {
+    acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
+    acc[4] += w * b.x; acc[5] += w * b.y; acc[6] += w * b.z; acc[7] += w * b.w;
+  }
+};
+
+__device__ __forceinline__ int4 to_bf16x8(const float (&acc)[kElemsPerChunk]) {
+  int4 out;
+  auto* pairs = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int i = 0; i < kElemsPerChunk / 2; ++i)
+    pairs[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+  return out;
+}
+
+template <typename T>
+__device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
+  const CommonParams& c = p.c;
+  const Shape& s = c.shape;
+  const SymmetricLayout& sym = c.sym;
+  const Warps w;
+  stamp_start(c, kCombineRecvKernel);
+  const uint64_t epoch = launch_epoch(c, kCombineRecvKernel);
+  const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
+  const int k = s.experts_per_token;
+  const int chunks = s.hidden / kElemsPerChunk;
+  const int num_tokens = max(0, min(*p.num_tokens, s.max_num_tokens));
+  const size_t slot_bytes = static_cast<size_t>(s.hidden) * sizeof(T);
+
+  // P parts per token so that one token keeps the whole grid busy.
+  const int max_parts = (chunks + kWarpSize - 1) / kWarpSize;
+  const int parts = max(1, min(max_parts, w.total / max(num_tokens, 1)));
+  const int part_chunks = (chunks + parts - 1) / parts;
+  bool healthy = !poisoned_at_start(c, kPhaseCombineRecv);
+
+  for (int i = w.warp; i < s.max_num_tokens * parts; i += w.total) {
+    const int t = i / parts, part = i % parts;
+    const int c0 = part * part_chunks, c1 = min(chunks, c0 + part_chunks);
+    int4* y_row = reinterpret_cast<int4*>(p.y + static_cast<size_t>(t) * s.hidden);
+    uint8_t* slots = p.slot_rows ? p.slot_rows + static_cast<size_t>(t) * k * slot_bytes
+                                 : nullptr;
+    const int32_t* ids = p.indices + static_cast<size_t>(t) * k;
+    const float* wt = p.weights + static_cast<size_t>(t) * k;
+    auto valid = [&](int j) { return ids[j] >= 0 && ids[j] < s.num_experts; };
+
+    // Step 1: the rows of every valid slot have landed (lanes poll slots in parallel).
+    bool live = healthy && t < num_tokens;
+    if (live) {
+      bool ok = true;
+      for (int j = w.lane; j < k; j += kWarpSize) {
+        if (!valid(j)) continue;
+        uint64_t seen = 0;
+        const Wait r = wait_ge(c, sym.slot_flag(t, j), epoch, deadline, &seen);
+        ok &= check_wait(c, r, kPhaseCombineRecv, -1, t, epoch, seen, kWhatRow);
+      }
+      live = __all_sync(0xffffffffu, ok);
+      __syncwarp();
+      healthy = live;
+      if (i == w.warp) stamp_mark(c, kCombineRecvKernel, kWaited);  // block 0: token 0's rows
+    }
+
+    // Step 2: weighted sum in f32 over the part's chunks (zeros for dead or failed tokens).
+    for (int ch = c0 + w.lane; ch < c1; ch += kWarpSize) {
+      float acc[kElemsPerChunk] = {};
+      for (int j = 0; j < k; ++j) {
+        Chunk<T> v;
+        if (live && valid(j)) {
+          v.load(sym.combine_row(t, j), ch);
+          v.accumulate(wt[j], acc);
+        } else {
+          v.zero();
+        }
+        if (slots) v.store(slots + j * slot_bytes, ch);
+      }
+      y_row[ch] = to_bf16x8(acc);
+    }
+  }
+
+  // Step 3: every rank may overwrite our combine_rows again.
+  if (!is_last_block(c, kCombineRecvKernel)) return;
+  if (!poisoned(c)) {
+    for (int h = threadIdx.x; h < s.world_size; h += blockDim.x)
+      set_flag(&sym.combine_ack[c.rank], epoch, h);
+  }
+  finish_launch(c, kCombineRecvKernel, epoch);
+}
+
+}  // namespace
+}  // namespace jmc

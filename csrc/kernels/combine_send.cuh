@@ -1,0 +1,115 @@
+// combine_send: put each expert output row back to its token's home rank(s). It waits only for
+// the home ranks' acknowledgement of the previous cycle.
+//
+// 1. Inputs: expert_y [L, R, H] (bf16 or f32), expert_num_tokens [L] and row_source [L, R]
+//    from dispatch_recv (possibly of another handle of the same shape: the backward pass uses
+//    the forward's routing). Output: none (a ticket).
+// 2. Symmetric memory, epoch e:
+//      local combine_ack[h]          waited >= e - 1 for every rank h: h has read the rows we
+//                                    put in cycle e - 1, so its combine_rows and our staged
+//                                    copies are free. This is also the gate that keeps a DP
+//                                    member's rows safe while it still reads (issue 9 case 1).
+//      on h  combine_rows[t][j]      the row of slot (t, j) of one of h's tokens,
+//            combine_flag[t][j]      SET e after the row's bytes.
+// 3. Work items are the filled rows of all local experts, numbered through a prefix of
+//    expert_num_tokens in shared memory, strided over every warp. A row's source (group g,
+//    token t, slot j) is checked; the row goes to every member h = g * dp + m of the group:
+//      - h reachable by load/store: 16-byte stores from expert_y straight into h's
+//        combine_rows, then __syncwarp, fence.sys, flag store;
+//      - otherwise copied once into combine_staging[i] (symmetric; XLA's expert_y may be
+//        reused before a network put has read it), put, and the flag put behind a fence.
+// 4. The last block advances the epoch. No counts travel: home ranks know from their own
+//    indices which slots come back.
+// 5. Errors: a count outside [0, R] or a source out of range is recorded and broadcast.
+#pragma once
+
+#include "core/protocol.cuh"
+#include "core/vec.cuh"
+
+namespace jmc {
+namespace {
+
+__device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
+  const CommonParams& c = p.c;
+  const Shape& s = c.shape;
+  const SymmetricLayout& sym = c.sym;
+  const Warps w;
+  stamp_start(c, kCombineSendKernel);
+  const uint64_t epoch = launch_epoch(c, kCombineSendKernel);
+  const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
+  const int k = s.experts_per_token, L = s.num_local_experts(), R = s.max_recv_tokens();
+  const int G = s.num_dp_groups(), dp = s.dp_size;
+
+  // Step 1: every home rank has read our previous cycle's rows.
+  bool ok = !poisoned_at_start(c, kPhaseCombineSend);
+  if (ok && threadIdx.x < kWarpSize) {
+    for (int h = w.lane; h < s.world_size; h += kWarpSize) {
+      uint64_t seen = 0;
+      const Wait r = wait_ge(c, &sym.combine_ack[h], epoch - 1, deadline, &seen);
+      ok &= check_wait(c, r, kPhaseCombineSend, h, -1, epoch - 1, seen, kWhatAck);
+    }
+  }
+  ok = __syncthreads_and(ok);
+  stamp_mark(c, kCombineSendKernel, kWaited);
+
+  // Step 2: rows of all experts numbered through a prefix of the counts.
+  extern __shared__ int first_row[];  // [L + 1]
+  if (threadIdx.x == 0) {
+    first_row[0] = 0;
+    for (int e = 0; e < L; ++e) {
+      int n = p.expert_num_tokens[e];
+      if (n < 0 || n > R) {
+        if (blockIdx.x == 0)
+          fail(c, kCorruptData, kPhaseCombineSend, -1, -1, R, n, kWhatExpertCount);
+        n = 0;
+      }
+      first_row[e + 1] = first_row[e] + n;
+    }
+  }
+  __syncthreads();
+  const int rows = ok ? min(first_row[L], s.max_recv_rows()) : 0;
+  for (int i = w.warp; i < rows; i += w.total) {
+    int e = 0;  // largest e with first_row[e] <= i
+    for (int lo = 0, hi = L; hi - lo > 1;) {
+      const int mid = (lo + hi) / 2;
+      (first_row[mid] <= i ? lo : hi) = mid;
+      e = lo;
+    }
+    const size_t at = static_cast<size_t>(e) * R + (i - first_row[e]);
+    const int src = p.row_source[at];
+    const int j = src % k, t = (src / k) % s.max_num_tokens, g = src / k / s.max_num_tokens;
+    if (src < 0 || g >= G) {
+      if (w.lane == 0) fail(c, kCorruptData, kPhaseCombineSend, -1, -1, G, src, kWhatRow);
+      break;
+    }
+    const uint8_t* y_row = p.expert_y + at * sym.combine_row_bytes;
+    const uint8_t* staged = nullptr;
+    uint8_t* row = sym.combine_row(t, j);
+    uint64_t* flag = sym.slot_flag(t, j);
+    for (int m = 0; m < dp; ++m) {
+      const int home = g * dp + m;
+      auto* direct = static_cast<uint8_t*>(nvshmem_ptr(row, home));
+      if (direct != nullptr) {
+        warp_copy(direct, y_row, sym.combine_row_bytes, w.lane);
+        __syncwarp();
+        if (w.lane == 0)
+          st_release_sys_u64(static_cast<uint64_t*>(nvshmem_ptr(flag, home)), epoch);
+      } else {
+        if (staged == nullptr) {
+          uint8_t* copy = sym.staged_row(i);
+          warp_copy(copy, y_row, sym.combine_row_bytes, w.lane);
+          __syncwarp();
+          staged = copy;
+        }
+        put_then_flag_warp(row, staged, sym.combine_row_bytes, flag, epoch, home);
+      }
+    }
+  }
+
+  // Step 3: close the launch.
+  if (!is_last_block(c, kCombineSendKernel)) return;
+  finish_launch(c, kCombineSendKernel, epoch);
+}
+
+}  // namespace
+}  // namespace jmc

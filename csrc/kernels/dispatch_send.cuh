@@ -1,0 +1,139 @@
+// dispatch_send: put each of this rank's tokens, once, to every rank that holds one of its
+// experts. It waits only for the receivers' acknowledgement of the previous cycle.
+//
+// 1. Inputs (this rank): x [max_m, H], x_scale [max_m, S] (fp8 only), indices [max_m, k]
+//    (repeated experts already -1), weights [max_m, k] (optional), num_tokens (device scalar).
+//    Output: none (a ticket).
+// 2. Destinations. A token's experts on rank r are sent by the member of the token's DP group
+//    with r % dp == rank % dp, so this rank sends to the G ranks d_g = g * dp + rank % dp and
+//    each receiver gets one copy per DP group. Receivers index our records by my_group.
+// 3. Symmetric memory, epoch e = this launch's cycle:
+//      local  dispatch_ack[d_g]           waited >= e - 1: d_g has read our cycle e - 1 records,
+//                                         so its slots and our staged copies are free again.
+//      on d_g recv_records[my_group][i]   the record (header, payload, scales),
+//             dispatch_flag[my_group][i]  SET e after the record's bytes,
+//             dispatch_count[my_group]    SET (e << 32) | records sent to d_g, by the last block.
+// 4. Work items are (token t, destination g) pairs, t < num_tokens, strided over all warps of
+//    the grid, so one token's copies travel in parallel. A pair whose token has no expert on
+//    d_g is skipped. The warp takes a slot (atomicAdd send_count[g]) and writes the record:
+//      - d_g reachable by load/store (nvshmem_ptr != nullptr): straight into the peer's
+//        recv_records with 16-byte stores, then __syncwarp, fence.sys and the flag store;
+//      - otherwise packed into send_records[t][g] (symmetric) and sent with
+//        a warp put, then the flag put behind a fence (core/protocol.cuh put_then_flag_warp).
+// 5. The last block publishes the counts (the receivers wait on each record's flag, so the
+//    count needs no ordering with the data), re-arms send_count and advances the epoch.
+// 6. Errors: an expert id outside [-1, E) or num_tokens outside [0, max_m] is recorded and
+//    broadcast (abort word); on a poisoned handle the kernel sends nothing.
+#pragma once
+
+#include "core/protocol.cuh"
+#include "core/vec.cuh"
+
+namespace jmc {
+namespace {
+
+// Header, payload and scales of token t, written by the whole warp to `rec`.
+__device__ __forceinline__ void write_record(const DispatchSendParams& p, uint8_t* rec, int t,
+                                             int lane) {
+  const Shape& s = p.c.shape;
+  const RecordLayout& r = p.c.sym.record;
+  const int k = s.experts_per_token;
+  int32_t* header = reinterpret_cast<int32_t*>(rec);
+  float* header_weights = reinterpret_cast<float*>(header + 1 + k);
+  if (lane == 0) header[0] = t;
+  for (int j = lane; j < k; j += kWarpSize) {
+    const int e = p.indices[static_cast<size_t>(t) * k + j];
+    header[1 + j] = (e >= 0 && e < s.num_experts) ? e : -1;
+    header_weights[j] = p.weights ? p.weights[static_cast<size_t>(t) * k + j] : 0.0f;
+  }
+  warp_copy(rec + r.header_bytes, p.x + static_cast<size_t>(t) * r.payload_bytes,
+            r.payload_bytes, lane);
+  if (p.x_scale != nullptr) {
+    float* scales = reinterpret_cast<float*>(rec + r.header_bytes + r.payload_bytes);
+    for (int i = lane; i < s.num_scales; i += kWarpSize)
+      scales[i] = p.x_scale[static_cast<size_t>(t) * s.num_scales + i];
+  }
+}
+
+__device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) {
+  const CommonParams& c = p.c;
+  const Shape& s = c.shape;
+  const SymmetricLayout& sym = c.sym;
+  const Warps w;
+  stamp_start(c, kDispatchSendKernel);
+  const uint64_t epoch = launch_epoch(c, kDispatchSendKernel);
+  const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
+  const int k = s.experts_per_token, L = s.num_local_experts();
+  const int G = s.num_dp_groups(), dp = s.dp_size;
+  const int my_group = c.rank / dp, my_member = c.rank % dp;
+
+  int num_tokens = *p.num_tokens;
+  bool ok = !poisoned_at_start(c, kPhaseDispatchSend);
+  if (ok && (num_tokens < 0 || num_tokens > s.max_num_tokens)) {
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+      fail(c, kBadNumTokens, kPhaseDispatchSend, -1, -1, s.max_num_tokens,
+           static_cast<uint64_t>(num_tokens), kWhatNone);
+    ok = false;
+  }
+
+  // Step 1: every destination has read our previous cycle's records (warp 0 of each block).
+  if (ok && threadIdx.x < kWarpSize) {
+    for (int g = w.lane; g < G; g += kWarpSize) {
+      const int dst = g * dp + my_member;
+      uint64_t seen = 0;
+      const Wait r = wait_ge(c, &sym.dispatch_ack[dst], epoch - 1, deadline, &seen);
+      ok &= check_wait(c, r, kPhaseDispatchSend, dst, -1, epoch - 1, seen, kWhatAck);
+    }
+  }
+  ok = __syncthreads_and(ok);
+  stamp_mark(c, kDispatchSendKernel, kWaited);
+
+  // Step 2: one record per (token, destination) pair that has an expert there.
+  const int items = ok ? num_tokens * G : 0;
+  for (int i = w.warp; i < items; i += w.total) {
+    const int t = i / G, g = i % G;
+    const int dst = g * dp + my_member;
+    const int32_t* ids = p.indices + static_cast<size_t>(t) * k;
+    bool routed = false;
+    for (int j = w.lane; j < k; j += kWarpSize) {
+      const int e = ids[j];
+      if (e < -1 || e >= s.num_experts) {
+        if (g == 0)
+          fail(c, kBadExpertIndex, kPhaseDispatchSend, -1, t, s.num_experts,
+               static_cast<uint64_t>(static_cast<int64_t>(e)), kWhatNone);
+      } else if (e >= 0 && e / L == dst) {
+        routed = true;
+      }
+    }
+    if (!__any_sync(0xffffffffu, routed)) continue;
+    int slot = 0;
+    if (w.lane == 0) slot = static_cast<int>(atomicAdd(&c.scratch.send_count[g], 1u));
+    slot = __shfl_sync(0xffffffffu, slot, 0);
+    uint8_t* rec = sym.recv_record(my_group, slot);
+    uint64_t* flag = sym.record_flag(my_group, slot);
+    auto* direct = static_cast<uint8_t*>(nvshmem_ptr(rec, dst));
+    if (direct != nullptr) {
+      write_record(p, direct, t, w.lane);
+      __syncwarp();
+      if (w.lane == 0) st_release_sys_u64(static_cast<uint64_t*>(nvshmem_ptr(flag, dst)), epoch);
+    } else {
+      uint8_t* staged = sym.send_record(t, g);
+      write_record(p, staged, t, w.lane);
+      __syncwarp();
+      put_then_flag_warp(rec, staged, sym.record.bytes, flag, epoch, dst);
+    }
+  }
+
+  // Step 3: the last block publishes the per-destination counts and closes the launch.
+  if (!is_last_block(c, kDispatchSendKernel)) return;
+  const bool publish = !poisoned(c);
+  for (int g = threadIdx.x; g < G; g += blockDim.x) {
+    const uint32_t count = atomicExch(&c.scratch.send_count[g], 0u);
+    if (publish)
+      set_flag(&sym.dispatch_count[my_group], count_word(epoch, count), g * dp + my_member);
+  }
+  finish_launch(c, kDispatchSendKernel, epoch);
+}
+
+}  // namespace
+}  // namespace jmc

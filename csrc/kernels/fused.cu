@@ -1,0 +1,74 @@
+// The fused ops: dispatch (send + recv) and combine (send + recv), one launch each.
+//
+// Why: with every rank on one GPU, each kernel boundary is a launch that the GPU's front end
+// serializes across ranks: after the benchmark's barrier the 8 ranks' next kernels started
+// 5 to 39 us apart (R1, 1 token, commit de25104, docs/notes.md), and each later boundary adds
+// its own launch gap (4-7 us). One launch per op halves the launches, and a rank's recv starts
+// the moment its own sends are out.
+//
+// The bodies are the split kernels' own (kernels/*.cuh), unchanged: every block runs the send
+// body, then the recv body. Recv blocks spin on records (rows) that other blocks of this grid
+// may still have to send, so the grid must be co-resident: at most one wave at this kernel's
+// occupancy (handle.cc). The send body's last block closes the send launch (its epoch, its
+// counts) while other blocks already receive: the two halves keep separate epochs and tickets.
+#include "kernels/combine_recv.cuh"
+#include "kernels/combine_send.cuh"
+#include "kernels/dispatch_recv.cuh"
+#include "kernels/dispatch_send.cuh"
+
+namespace jmc {
+namespace {
+
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
+    dispatch_kernel(const DispatchSendParams send, const DispatchRecvParams recv) {
+  dispatch_send_body(send);
+  dispatch_recv_body(recv);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
+    combine_kernel(const CombineSendParams send, const CombineRecvParams recv) {
+  combine_send_body(send);
+  combine_recv_body<T>(recv);
+}
+
+size_t dispatch_shared_bytes(const Shape& s) { return 4 * (s.num_dp_groups() + 1); }
+size_t combine_shared_bytes(const Shape& s) { return 4 * (s.num_local_experts() + 1); }
+
+}  // namespace
+
+cudaError_t launch_dispatch(const DispatchSendParams& send, const DispatchRecvParams& recv,
+                            Launch l, cudaStream_t stream) {
+  const size_t shared = dispatch_shared_bytes(send.c.shape);
+  dispatch_kernel<<<l.num_blocks, l.warps_per_block * kWarpSize, shared, stream>>>(send, recv);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_combine(const CombineSendParams& send, const CombineRecvParams& recv,
+                           Launch l, cudaStream_t stream) {
+  const dim3 grid(l.num_blocks), block(l.warps_per_block * kWarpSize);
+  const size_t shared = combine_shared_bytes(send.c.shape);
+  if (send.c.shape.out_elem_bytes == 4)
+    combine_kernel<float><<<grid, block, shared, stream>>>(send, recv);
+  else
+    combine_kernel<__nv_bfloat16><<<grid, block, shared, stream>>>(send, recv);
+  return cudaGetLastError();
+}
+
+int fused_blocks_per_sm(const Shape& s, FusedOp op, int warps_per_block) {
+  const int threads = warps_per_block * kWarpSize;
+  int n = 0;
+  if (op == kFusedDispatch) {
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, dispatch_kernel, threads,
+                                                  dispatch_shared_bytes(s));
+    return n;
+  }
+  int a = 0, b = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, combine_kernel<float>, threads,
+                                                combine_shared_bytes(s));
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, combine_kernel<__nv_bfloat16>, threads,
+                                                combine_shared_bytes(s));
+  return min(a, b);
+}
+
+}  // namespace jmc
