@@ -3,11 +3,13 @@
     python -m jax_moe_comm.launch -n 8 --oversubscribe -- \
         python benchmarks/bench_all_to_all.py --out benchmarks/results
 
-Every sample: an on-stream barrier of all ranks, then dispatch_send, dispatch_recv (fused =
-the two back to back), combine_send, combine_recv, each bracketed on XLA's stream by
-%globaltimer stamps (kernel time, launch gaps included). dispatch_us = end of dispatch_recv -
-start of dispatch_send, combine_us likewise; a sample's value is the max over ranks; we report
-the median and p90 over samples. Correctness is checked against the oracle before timing.
+Every sample: an on-stream barrier of all ranks, then the fused dispatch and combine (one
+launch each; `--split` also times dispatch_send, dispatch_recv, combine_send, combine_recv as
+four calls). The kernels stamp %globaltimer at their start and end, and block 0 marks when its
+waits ended and its work was done (benchmarks/timeline.py prints where the time goes).
+dispatch_us = end of the recv half - start of the send half, combine_us likewise; a sample's
+value is the max over ranks; we report the median and p90 over samples. Correctness is checked
+against the oracle before timing.
 
 Baselines in the same run: `nvshmem_dense_a2a` (nvshmemx_alltoallmem_on_stream moving every
 rank's whole padded token block [max_m, row] to every rank, once for dispatch and once for
@@ -99,12 +101,18 @@ def stats(samples_us):
     return statistics.median(s), s[min(len(s) - 1, int(0.9 * len(s)))]
 
 
-def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_blocks: int = 0):
+def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_blocks: int = 0,
+              split: bool = False):
+    """Per-sample kernel times of one case. split=False: the fused ops (AllToAll.dispatch and
+    .combine, one launch each); split=True: send and recv as separate calls (two launches per
+    op, what a layer that overlaps compute between them pays). The overlap variant (a matmul
+    between the halves) is always split."""
     cfg = case.moe()
     a2a = AllToAll(cfg, backend="nvshmem", tuning=KernelTuning(num_blocks=num_blocks))
     backend = a2a.backend
     if RANK == 0:
-        print(f"{case}: grids (blocks, warps) of the four kernels {backend.launch_shape()}",
+        print(f"{case}: grids (blocks, warps) of the split kernels, then the fused dispatch and "
+              f"combine: {backend.launch_shape()}",
               flush=True)
     inp = T.make_inputs(cfg, seed=case.tokens * 31 + len(case.config), ragged=False)
     T.run_and_check(a2a, mesh, inp)  # correctness first
@@ -115,13 +123,17 @@ def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_bloc
         nt = nt.reshape(())
         ticket = backend.barrier(nt)
         x, x_scale, nt = order_after((x, x_scale, nt), ticket)
+        if mm is None and not split:
+            out = a2a.dispatch(x, idx, nt, x_scale=x_scale)
+            ey = out.expert_x.astype(cfg.combine_dtype)
+            return a2a.combine(ey, out.routing, idx, w, nt)
         pending = a2a.dispatch_send(x, idx, nt, x_scale=x_scale)
         if mm is not None:  # overlap: a matmul between the halves
             h = mm @ mm
             pending = order_after(pending, h)
         out = a2a.dispatch_recv(pending)
         ey = out.expert_x.astype(cfg.combine_dtype)
-        y = a2a.combine(ey, out.routing, idx, w, nt)
+        y = a2a.combine_recv(a2a.combine_send(ey, out.routing), idx, w, nt)
         return y if mm is None else (y, h)
 
     def compile_step(with_mm):
@@ -212,6 +224,8 @@ def main() -> int:
     p.add_argument("--num-blocks", default="0",
                    help="grid of every kernel (0: auto); a comma list sweeps grids: the first "
                         "makes the main rows, each other one an extra 'ours' row")
+    p.add_argument("--split", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the split ops (send and recv as separate calls)")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     from jax_moe_comm import init
@@ -287,6 +301,20 @@ def main() -> int:
             f"{dt_med / t_med:5.1f}x; expert-padded dense {de_med:9.1f} us "
             f"({de_med / t_med:5.1f}x ours)")
         say(format_timeline(phases))
+        if args.split:  # the same case with send and recv as separate calls
+            _, _, split = time_ours(case, mesh, args.samples, args.warmup, 0, grids[0],
+                                    split=True)
+            each = kv_gather(f"{case}:split", split)
+            o = np.max(np.array([g["plain"] for g in each]), axis=0)
+            o_med, o_p90 = stats(o[:, 4] + o[:, 5])
+            o_d, o_c = stats(o[:, 4])[0], stats(o[:, 5])[0]
+            split_phases = phase_timeline([g["stamps"] for g in each])
+            rows.append(dict(method="jax_moe_comm_nvshmem_split", dispatch_us=o_d,
+                             combine_us=o_c, total_us=o_med, p90_total_us=o_p90, **base,
+                             phases_us=split_phases))
+            say(f"{case.config:7s} T={case.tokens:4d} {case.dtype}: ours, split ops "
+                f"{o_d:8.1f} + {o_c:8.1f} = {o_med:8.1f} us")
+            say(format_timeline(split_phases))
         for blocks in grids[1:]:  # the same case on other grids: which grid is fastest where
             _, _, other = time_ours(case, mesh, args.samples, args.warmup, 0, blocks)
             o = np.max(np.array(kv_gather(f"{case}:{blocks}", other["plain"])), axis=0)

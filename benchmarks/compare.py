@@ -13,11 +13,13 @@ import json
 import sys
 
 DENSE = ("nvshmem_dense_a2a", "pplx-nvshmem-dense-a2a")
+OURS = "jax_moe_comm_nvshmem"
 
 
 def load(arg: str):
     """One (label, run, rows) per dispatch/combine method in the file: the main method under the
-    file's label, grid-sweep rows (`..._blocksN`) under "label blocksN"."""
+    file's label, our variants (`jax_moe_comm_nvshmem_split`, `..._blocksN`) under "label split",
+    "label blocksN"."""
     label, _, path = arg.rpartition("=")
     with open(path) as f:
         run = json.load(f)
@@ -31,8 +33,9 @@ def load(arg: str):
         elif "expert_padded" not in r["method"]:
             by_method.setdefault(r["method"], {})[key] = dict(r)
     out = []
-    for method, rows in sorted(by_method.items(), key=lambda m: ("_blocks" in m[0], m[0])):
-        suffix = method.rpartition("_")[2] if "_blocks" in method else ""
+    variant = lambda m: m.startswith(OURS + "_")  # noqa: E731
+    for method, rows in sorted(by_method.items(), key=lambda m: (variant(m[0]), m[0])):
+        suffix = method[len(OURS) + 1:] if variant(method) else ""
         for key, r in rows.items():
             r["dense"] = dense.get(key)
         out.append((f"{label} {suffix}".strip(), run, rows))
