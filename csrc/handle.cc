@@ -56,14 +56,17 @@ Launch launch_for(const Shape& s, KernelId kernel, Launch tuning) {
   return Launch{static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wave, needed))), wpb};
 }
 
-// A fused op's grid: the larger of its two halves' grids, but never more than one wave at the
-// fused kernel's occupancy (its recv blocks wait on its send blocks: all must be resident).
-Launch fused_launch_for(const Shape& s, FusedOp op, const Launch (&split)[kNumKernels]) {
+// A fused op runs as ONE block, or not at all (num_blocks 0: the handler launches the two split
+// kernels). Its recv waits on sends of its own grid, so every block must be resident at once,
+// and under MPS nothing reserves the SM share: a 28-block fused grid (one wave by the
+// occupancy API) deadlocked at V2-Lite T=64 (commit 3a53b3f). One block is always resident.
+// It pays where launches dominate: both halves small enough for one block.
+constexpr int kFusedMaxSplitBlocks = 4;
+Launch fused_launch_for(FusedOp op, const Launch (&split)[kNumKernels]) {
   const Launch a = split[op == kFusedDispatch ? kDispatchSendKernel : kCombineSendKernel];
   const Launch b = split[op == kFusedDispatch ? kDispatchRecvKernel : kCombineRecvKernel];
-  const int wpb = a.warps_per_block;
-  const int wave = usable_sms() * std::max(1, fused_blocks_per_sm(s, op, wpb));
-  return Launch{std::max(1, std::min(wave, std::max(a.num_blocks, b.num_blocks))), wpb};
+  const bool small = std::max(a.num_blocks, b.num_blocks) <= kFusedMaxSplitBlocks;
+  return Launch{small ? 1 : 0, a.warps_per_block};
 }
 
 // Local (non-collective) allocations; "" or what failed.
@@ -144,7 +147,7 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
   for (int kernel = 0; kernel < kNumKernels; ++kernel)
     h->launch[kernel] = launch_for(shape, static_cast<KernelId>(kernel), tuning);
   for (int op = 0; op < kNumFusedOps; ++op)
-    h->fused_launch[op] = fused_launch_for(shape, static_cast<FusedOp>(op), h->launch);
+    h->fused_launch[op] = fused_launch_for(static_cast<FusedOp>(op), h->launch);
   std::string error = allocate_local(h.get());  // local first: nothing collective can fail on it
 
   size_t bytes = 0;

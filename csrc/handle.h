@@ -19,7 +19,7 @@ struct Handle {
   Shape shape{};
   int rank = 0;
   Launch launch[kNumKernels]{};         // the split ops' kernels
-  Launch fused_launch[kNumFusedOps]{};  // dispatch, combine (kernels/fused.cu)
+  Launch fused_launch[kNumFusedOps]{};  // dispatch, combine; 0 blocks: split kernels instead
   uint64_t timeout_ns = 0;
   bool staged = false;        // some peer is not reachable by load/store
   void* symmetric = nullptr;  // one nvshmem_malloc

@@ -74,7 +74,7 @@ ffi::Error CombineRecv(cudaStream_t stream, int64_t handle, ffi::AnyBuffer ticke
   return ffi::Error::Success();
 }
 
-// The fused op: expert rows in, y out, one launch (kernels/fused.cu).
+// The fused op: expert rows in, y out; one block or the two split kernels (as Dispatch).
 ffi::Error Combine(cudaStream_t stream, int64_t handle, ffi::AnyBuffer expert_y,
                    ffi::Buffer<ffi::S32> expert_num_tokens, ffi::Buffer<ffi::S32> row_source,
                    ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::F32> weights,
@@ -86,7 +86,13 @@ ffi::Error Combine(cudaStream_t stream, int64_t handle, ffi::AnyBuffer expert_y,
   CombineRecvParams recv;
   JMC_RETURN_IF_ERROR(send_params(h, expert_y, expert_num_tokens, row_source, &send));
   JMC_RETURN_IF_ERROR(recv_params(h, indices, weights, num_tokens, y, slot_rows, &recv));
-  JMC_RETURN_IF_CUDA_ERROR(launch_combine(send, recv, h->fused_launch[kFusedCombine], stream));
+  const Launch fused = h->fused_launch[kFusedCombine];
+  if (fused.num_blocks > 0) {
+    JMC_RETURN_IF_CUDA_ERROR(launch_combine(send, recv, fused, stream));
+  } else {  // too much work for one block: the split kernels back to back (handle.cc)
+    JMC_RETURN_IF_CUDA_ERROR(launch_combine_send(send, h->launch[kCombineSendKernel], stream));
+    JMC_RETURN_IF_CUDA_ERROR(launch_combine_recv(recv, h->launch[kCombineRecvKernel], stream));
+  }
   commit(h, Op::kCombine);
   return ffi::Error::Success();
 }

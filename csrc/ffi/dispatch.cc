@@ -86,7 +86,8 @@ ffi::Error DispatchRecv(cudaStream_t stream, int64_t handle, ffi::AnyBuffer tick
   return ffi::Error::Success();
 }
 
-// The fused op: the send operands in, the recv results out, one launch (kernels/fused.cu).
+// The fused op: the send operands in, the recv results out; one launch of one block when the
+// handle's shape is small enough (handle.cc), else the two split kernels.
 ffi::Error Dispatch(cudaStream_t stream, int64_t handle, ffi::AnyBuffer x,
                     ffi::AnyBuffer x_scale, ffi::Buffer<ffi::S32> indices,
                     ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> num_tokens,
@@ -102,7 +103,13 @@ ffi::Error Dispatch(cudaStream_t stream, int64_t handle, ffi::AnyBuffer x,
   JMC_RETURN_IF_ERROR(send_params(h, x, x_scale, indices, weights, num_tokens, &send));
   JMC_RETURN_IF_ERROR(recv_params(h, expert_x, expert_x_scale, expert_num_tokens, row_source,
                                   expert_weights, &recv));
-  JMC_RETURN_IF_CUDA_ERROR(launch_dispatch(send, recv, h->fused_launch[kFusedDispatch], stream));
+  const Launch fused = h->fused_launch[kFusedDispatch];
+  if (fused.num_blocks > 0) {
+    JMC_RETURN_IF_CUDA_ERROR(launch_dispatch(send, recv, fused, stream));
+  } else {  // too much work for one block: the split kernels back to back (handle.cc)
+    JMC_RETURN_IF_CUDA_ERROR(launch_dispatch_send(send, h->launch[kDispatchSendKernel], stream));
+    JMC_RETURN_IF_CUDA_ERROR(launch_dispatch_recv(recv, h->launch[kDispatchRecvKernel], stream));
+  }
   commit(h, Op::kDispatch);
   return ffi::Error::Success();
 }

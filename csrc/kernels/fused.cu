@@ -8,9 +8,10 @@
 //
 // The bodies are the split kernels' own (kernels/*.cuh), unchanged: every block runs the send
 // body, then the recv body. Recv blocks spin on records (rows) that other blocks of this grid
-// may still have to send, so the grid must be co-resident: at most one wave at this kernel's
-// occupancy (handle.cc). The send body's last block closes the send launch (its epoch, its
-// counts) while other blocks already receive: the two halves keep separate epochs and tickets.
+// may still have to send, so the grid must be co-resident; handle.cc launches ONE block (a
+// 28-block grid deadlocked under MPS, where the SM share is not reserved) and leaves larger
+// shapes to the split kernels. The send body's last block closes the send launch (its epoch,
+// its counts) before the recv body starts; the halves keep separate epochs and tickets.
 #include "kernels/combine_recv.cuh"
 #include "kernels/combine_send.cuh"
 #include "kernels/dispatch_recv.cuh"
@@ -53,22 +54,6 @@ cudaError_t launch_combine(const CombineSendParams& send, const CombineRecvParam
   else
     combine_kernel<__nv_bfloat16><<<grid, block, shared, stream>>>(send, recv);
   return cudaGetLastError();
-}
-
-int fused_blocks_per_sm(const Shape& s, FusedOp op, int warps_per_block) {
-  const int threads = warps_per_block * kWarpSize;
-  int n = 0;
-  if (op == kFusedDispatch) {
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, dispatch_kernel, threads,
-                                                  dispatch_shared_bytes(s));
-    return n;
-  }
-  int a = 0, b = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, combine_kernel<float>, threads,
-                                                combine_shared_bytes(s));
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, combine_kernel<__nv_bfloat16>, threads,
-                                                combine_shared_bytes(s));
-  return min(a, b);
 }
 
 }  // namespace jmc

@@ -114,14 +114,13 @@ cudaError_t launch_combine_send(const CombineSendParams& p, Launch l, cudaStream
 cudaError_t launch_combine_recv(const CombineRecvParams& p, Launch l, cudaStream_t s);
 cudaError_t launch_barrier(const BarrierParams& p, cudaStream_t s);
 
-// The fused ops (kernels/fused.cu): both halves in one launch, the grid co-resident.
+// The fused ops (kernels/fused.cu): both halves in one launch of one block.
 enum FusedOp : int { kFusedDispatch = 0, kFusedCombine = 1 };
 constexpr int kNumFusedOps = 2;
 cudaError_t launch_dispatch(const DispatchSendParams& send, const DispatchRecvParams& recv,
                             Launch l, cudaStream_t s);
 cudaError_t launch_combine(const CombineSendParams& send, const CombineRecvParams& recv,
                            Launch l, cudaStream_t s);
-int fused_blocks_per_sm(const Shape& s, FusedOp op, int warps_per_block);
 cudaError_t launch_timestamp(uint64_t* out, cudaStream_t s);
 
 // Blocks of `kernel` that fit on one SM at `warps_per_block` (occupancy API), for sizing grids.
