@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 
 namespace jmc {
@@ -60,13 +61,19 @@ Launch launch_for(const Shape& s, KernelId kernel, Launch tuning) {
 // kernels). Its recv waits on sends of its own grid, so every block must be resident at once,
 // and under MPS nothing reserves the SM share: a 28-block fused grid (one wave by the
 // occupancy API) deadlocked at V2-Lite T=64 (commit 3a53b3f). One block is always resident.
-// It pays where launches dominate: both halves small enough for one block.
-constexpr int kFusedMaxSplitBlocks = 4;
-Launch fused_launch_for(FusedOp op, const Launch (&split)[kNumKernels]) {
-  const Launch a = split[op == kFusedDispatch ? kDispatchSendKernel : kCombineSendKernel];
-  const Launch b = split[op == kFusedDispatch ? kDispatchRecvKernel : kCombineRecvKernel];
-  const bool small = std::max(a.num_blocks, b.num_blocks) <= kFusedMaxSplitBlocks;
-  return Launch{small ? 1 : 0, a.warps_per_block};
+// It pays while one block has a warp per work item: (token, destination) pairs for dispatch,
+// slot rows for combine. Measured at 15fe1ae (8 ranks, fp8): at 1 token fused vs split
+// V2-Lite 59.2 vs 69.8 us, R1 89.4 vs 96.3; at 4 tokens a one-block dispatch (32 pairs on 16
+// warps) was slower than the split kernels (R1 79.1 vs 65.5 us dispatch).
+Launch fused_launch_for(const Shape& s, FusedOp op, int warps_per_block) {
+  // Tests: JMC_FUSED=always runs the fused kernel (one block) at any shape, =never never.
+  if (const char* mode = std::getenv("JMC_FUSED")) {
+    if (std::strcmp(mode, "always") == 0) return Launch{1, warps_per_block};
+    if (std::strcmp(mode, "never") == 0) return Launch{0, warps_per_block};
+  }
+  const int64_t items = int64_t{s.max_num_tokens} *
+                        (op == kFusedDispatch ? s.num_dp_groups() : s.experts_per_token);
+  return Launch{items <= warps_per_block ? 1 : 0, warps_per_block};
 }
 
 // Local (non-collective) allocations; "" or what failed.
@@ -147,7 +154,8 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
   for (int kernel = 0; kernel < kNumKernels; ++kernel)
     h->launch[kernel] = launch_for(shape, static_cast<KernelId>(kernel), tuning);
   for (int op = 0; op < kNumFusedOps; ++op)
-    h->fused_launch[op] = fused_launch_for(static_cast<FusedOp>(op), h->launch);
+    h->fused_launch[op] = fused_launch_for(shape, static_cast<FusedOp>(op),
+                                           tuning.warps_per_block);
   std::string error = allocate_local(h.get());  // local first: nothing collective can fail on it
 
   size_t bytes = 0;

@@ -15,6 +15,7 @@ non-zero if any case failed on any rank.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -43,6 +44,21 @@ def small_config(dp: int = 1, **kw) -> MoEConfig:
                 max_num_tokens=16, world_size=WORLD, dp_size=dp)
     args.update(kw)
     return MoEConfig(**args)
+
+
+@contextlib.contextmanager
+def fused_kernels():
+    """Handles created inside run AllToAll.dispatch / .combine as the one-block fused kernels
+    at any shape (JMC_FUSED=always; by default only shapes with a warp per work item do)."""
+    before = os.environ.get("JMC_FUSED")
+    os.environ["JMC_FUSED"] = "always"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["JMC_FUSED"]
+        else:
+            os.environ["JMC_FUSED"] = before
 
 
 def spin(n, after):
@@ -156,7 +172,8 @@ def main() -> int:
         for mode in ("split", "fused"):
             @suite.case(f"EP{WORLD}-dp{dp}-{cycles}-cycles-one-jit-skewed-{mode}")
             def jitted_loop(dp=dp, mode=mode):
-                with AllToAll(small_config(dp), backend="nvshmem") as a2a:
+                fused = fused_kernels() if mode == "fused" else contextlib.nullcontext()
+                with fused, AllToAll(small_config(dp), backend="nvshmem") as a2a:
                     bad = my_value(make_loop(a2a, mesh, cycles, max_spin=24, mode=mode)())
                     a2a.check()
                     assert bad == 0, f"rank {RANK}: {bad} of {cycles} cycles wrong"
@@ -200,7 +217,8 @@ def main() -> int:
     if not args.quick:
         @suite.case(f"EP{WORLD}-soak-{args.soak}-cycles-memory-flat")
         def soak():
-            with AllToAll(small_config(max_num_tokens=32), backend="nvshmem") as a2a:
+            with fused_kernels(), AllToAll(small_config(max_num_tokens=32),
+                                           backend="nvshmem") as a2a:
                 loop = make_loop(a2a, mesh, args.soak // 2, max_spin=8, mode="mixed")
                 jax.block_until_ready(loop(1))  # compile + first run
                 free0 = native.module().device_memory()[0]
