@@ -66,7 +66,8 @@ Launch launch_for(const Shape& s, KernelId kernel, Launch tuning) {
 // V2-Lite 59.2 vs 69.8 us, R1 89.4 vs 96.3; at 4 tokens a one-block dispatch (32 pairs on 16
 // warps) was slower than the split kernels (R1 79.1 vs 65.5 us dispatch).
 Launch fused_launch_for(const Shape& s, FusedOp op, int warps_per_block) {
-  // Tests: JMC_FUSED=always runs the fused kernel (one block) at any shape, =never never.
+  // Tests: JMC_FUSED=always runs the fused kernel (one block) at any shape, =never never
+  // (create_handle refuses other values).
   if (const char* mode = std::getenv("JMC_FUSED")) {
     if (std::strcmp(mode, "always") == 0) return Launch{1, warps_per_block};
     if (std::strcmp(mode, "never") == 0) return Launch{0, warps_per_block};
@@ -139,6 +140,10 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
   if (!bad.empty()) return bad;
   if (tuning.warps_per_block < 2 || tuning.warps_per_block > kMaxWarpsPerBlock)
     return "warps_per_block must be in [2, " + std::to_string(kMaxWarpsPerBlock) + "]";
+  if (const char* mode = std::getenv("JMC_FUSED");
+      mode != nullptr && *mode != '\0' && std::strcmp(mode, "always") != 0 &&
+      std::strcmp(mode, "never") != 0)
+    return std::string("JMC_FUSED=") + mode + ": expected always, never or unset";
   if (nvshmemx_init_status() < NVSHMEM_STATUS_IS_INITIALIZED)
     return "NVSHMEM is not initialized: call jax_moe_comm.init() first";
   if (nvshmem_n_pes() != shape.world_size)

@@ -92,7 +92,7 @@ class FusedShuffledBackend(ShuffledBackend):
 
     def __init__(self, inner, seed=0):
         super().__init__(inner, seed)
-        self.fused_calls = collections.Counter()
+        self.fused_calls = collections.Counter()  # traces, not executions
 
     def dispatch(self, x, x_scale, indices, num_tokens, weights=None):
         self.fused_calls["dispatch"] += 1

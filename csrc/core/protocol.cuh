@@ -12,14 +12,16 @@ namespace jmc {
 
 constexpr int kWarpSize = 32;
 
-// SETs a 64-bit flag (count, ack, abort word, barrier flag) on `pe`. A peer reachable by
-// load/store gets NVSHMEM's signal (a store). Any other peer gets a plain 8-byte put behind
+// SETs a 64-bit flag (count, ack, abort word, barrier flag) on `pe`, after every write and
+// read this thread made or observed before. A peer reachable by load/store gets a release
+// store at system scope (an ack follows reads of the peer's data: a GPU-scope fence would not
+// order them for a peer on another GPU). Any other peer gets a plain 8-byte put behind
 // nvshmem_fence: proxy transports run signals as atomics at the target, which UCX cannot do
-// without GDRCopy ("AMO 8 not supported ... GDRCopy Disabled", DESIGN §11), and flags only
-// need SET: a whole aligned word, never added to.
+// without GDRCopy ("AMO 8 not supported ... GDRCopy Disabled"), and flags only need SET: a
+// whole aligned word, never added to.
 __device__ __forceinline__ void set_flag(uint64_t* flag, uint64_t value, int pe) {
-  if (nvshmem_ptr(flag, pe) != nullptr) {
-    nvshmemx_signal_op(flag, value, NVSHMEM_SIGNAL_SET, pe);
+  if (auto* direct = static_cast<uint64_t*>(nvshmem_ptr(flag, pe))) {
+    st_release_sys_u64(direct, value);
   } else {
     nvshmem_fence();  // puts to pe issued before this one land first
     nvshmem_uint64_p(flag, value, pe);
@@ -133,7 +135,8 @@ __device__ __forceinline__ void stamp_start(const CommonParams& c, KernelId kern
     c.timings[start_slot(kernel)] = globaltimer_ns();
 }
 
-// A phase mark of block 0 (kernels.h); call it from thread 0 after the block's barrier.
+// A phase mark of block 0's thread 0 (kernels.h): after a block barrier, or (combine_recv) when
+// warp 0 has seen token 0's rows; a mark not reached keeps the previous call's value.
 __device__ __forceinline__ void stamp_mark(const CommonParams& c, KernelId kernel, Mark mark) {
   if (c.timings != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
     c.timings[mark_slot(kernel, mark)] = globaltimer_ns();

@@ -91,7 +91,9 @@ ffi::Error Combine(cudaStream_t stream, int64_t handle, ffi::AnyBuffer expert_y,
     JMC_RETURN_IF_CUDA_ERROR(launch_combine(send, recv, fused, stream));
   } else {  // too much work for one block: the split kernels back to back (handle.cc)
     JMC_RETURN_IF_CUDA_ERROR(launch_combine_send(send, h->launch[kCombineSendKernel], stream));
+    commit(h, Op::kCombineSend);  // launched: if the recv launch fails, the state says so
     JMC_RETURN_IF_CUDA_ERROR(launch_combine_recv(recv, h->launch[kCombineRecvKernel], stream));
+    commit(h, Op::kCombineRecv);
   }
   commit(h, Op::kCombine);
   return ffi::Error::Success();

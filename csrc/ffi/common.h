@@ -68,7 +68,7 @@ inline xla::ffi::Error begin(int64_t id, Op op, Call* call) {
     case Op::kDispatch:
       if (h.dispatch_in_flight)
         return protocol_error(op, id, "a dispatch is already in flight (call dispatch_recv "
-                                      "before the next dispatch_send)");
+                                      "before the next dispatch_send or dispatch)");
       break;
     case Op::kDispatchRecv:
       if (!h.dispatch_in_flight)
@@ -78,7 +78,7 @@ inline xla::ffi::Error begin(int64_t id, Op op, Call* call) {
     case Op::kCombine:
       if (h.combine_in_flight)
         return protocol_error(op, id, "a combine is already in flight (call combine_recv "
-                                      "before the next combine_send)");
+                                      "before the next combine_send or combine)");
       break;
     case Op::kCombineRecv:
       if (!h.combine_in_flight) return protocol_error(op, id, "no combine_send before it");

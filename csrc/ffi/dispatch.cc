@@ -108,7 +108,9 @@ ffi::Error Dispatch(cudaStream_t stream, int64_t handle, ffi::AnyBuffer x,
     JMC_RETURN_IF_CUDA_ERROR(launch_dispatch(send, recv, fused, stream));
   } else {  // too much work for one block: the split kernels back to back (handle.cc)
     JMC_RETURN_IF_CUDA_ERROR(launch_dispatch_send(send, h->launch[kDispatchSendKernel], stream));
+    commit(h, Op::kDispatchSend);  // launched: if the recv launch fails, the state says so
     JMC_RETURN_IF_CUDA_ERROR(launch_dispatch_recv(recv, h->launch[kDispatchRecvKernel], stream));
+    commit(h, Op::kDispatchRecv);
   }
   commit(h, Op::kDispatch);
   return ffi::Error::Success();

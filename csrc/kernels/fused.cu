@@ -20,14 +20,16 @@
 namespace jmc {
 namespace {
 
-__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
+// One block per launch, so no second block per SM to leave registers for (the split kernels'
+// kMinBlocksPerSm cap made the fused dispatch spill).
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, 1)
     dispatch_kernel(const DispatchSendParams send, const DispatchRecvParams recv) {
   dispatch_send_body(send);
   dispatch_recv_body(recv);
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, 1)
     combine_kernel(const CombineSendParams send, const CombineRecvParams recv) {
   combine_send_body(send);
   combine_recv_body<T>(recv);
@@ -40,6 +42,7 @@ size_t combine_shared_bytes(const Shape& s) { return 4 * (s.num_local_experts() 
 
 cudaError_t launch_dispatch(const DispatchSendParams& send, const DispatchRecvParams& recv,
                             Launch l, cudaStream_t stream) {
+  if (l.num_blocks != 1) return cudaErrorInvalidConfiguration;  // see the top of this file
   const size_t shared = dispatch_shared_bytes(send.c.shape);
   dispatch_kernel<<<l.num_blocks, l.warps_per_block * kWarpSize, shared, stream>>>(send, recv);
   return cudaGetLastError();
@@ -47,6 +50,7 @@ cudaError_t launch_dispatch(const DispatchSendParams& send, const DispatchRecvPa
 
 cudaError_t launch_combine(const CombineSendParams& send, const CombineRecvParams& recv,
                            Launch l, cudaStream_t stream) {
+  if (l.num_blocks != 1) return cudaErrorInvalidConfiguration;  // see the top of this file
   const dim3 grid(l.num_blocks), block(l.warps_per_block * kWarpSize);
   const size_t shared = combine_shared_bytes(send.c.shape);
   if (send.c.shape.out_elem_bytes == 4)
