@@ -174,6 +174,17 @@ def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_bloc
     return cfg, inp, results
 
 
+def time_split_variant(case: Case, mesh, args, num_blocks: int, tag: str) -> dict:
+    """A case again on the split kernels (send and recv as separate calls; a grid size applies
+    to them): its row's times, slowest rank per sample, and its timeline."""
+    _, _, res = time_ours(case, mesh, args.samples, args.warmup, 0, num_blocks, split=True)
+    each = kv_gather(f"{case}:{tag}", res)
+    o = np.max(np.array([g["plain"] for g in each]), axis=0)
+    total, p90 = stats(o[:, 4] + o[:, 5])
+    return dict(dispatch_us=stats(o[:, 4])[0], combine_us=stats(o[:, 5])[0], total_us=total,
+                p90_total_us=p90, phases_us=phase_timeline([g["stamps"] for g in each]))
+
+
 def time_dense(cfg: MoEConfig, samples: int, warmup: int, mesh, rows_per_pair: int):
     """Two dense all-to-alls of `rows_per_pair` padded rows from every rank to every rank:
     dispatch rows, then combine rows."""
@@ -301,30 +312,18 @@ def main() -> int:
             f"{dt_med / t_med:5.1f}x; expert-padded dense {de_med:9.1f} us "
             f"({de_med / t_med:5.1f}x ours)")
         say(format_timeline(phases))
+        head = f"{case.config:7s} T={case.tokens:4d} {case.dtype}: ours"
         if args.split:  # the same case with send and recv as separate calls
-            _, _, split = time_ours(case, mesh, args.samples, args.warmup, 0, grids[0],
-                                    split=True)
-            each = kv_gather(f"{case}:split", split)
-            o = np.max(np.array([g["plain"] for g in each]), axis=0)
-            o_med, o_p90 = stats(o[:, 4] + o[:, 5])
-            o_d, o_c = stats(o[:, 4])[0], stats(o[:, 5])[0]
-            split_phases = phase_timeline([g["stamps"] for g in each])
-            rows.append(dict(method="jax_moe_comm_nvshmem_split", dispatch_us=o_d,
-                             combine_us=o_c, total_us=o_med, p90_total_us=o_p90, **base,
-                             phases_us=split_phases))
-            say(f"{case.config:7s} T={case.tokens:4d} {case.dtype}: ours, split ops "
-                f"{o_d:8.1f} + {o_c:8.1f} = {o_med:8.1f} us")
-            say(format_timeline(split_phases))
+            r = time_split_variant(case, mesh, args, grids[0], "split")
+            rows.append(dict(method="jax_moe_comm_nvshmem_split", **r, **base))
+            say(f"{head}, split ops {r['dispatch_us']:8.1f} + {r['combine_us']:8.1f} = "
+                f"{r['total_us']:8.1f} us")
+            say(format_timeline(r["phases_us"]))
         for blocks in grids[1:]:  # the same case on other grids: which grid is fastest where
-            _, _, other = time_ours(case, mesh, args.samples, args.warmup, 0, blocks,
-                                    split=True)  # a grid applies to the split kernels
-            o = np.max(np.array(kv_gather(f"{case}:{blocks}", other["plain"])), axis=0)
-            o_med, o_p90 = stats(o[:, 4] + o[:, 5])
-            o_d, o_c = stats(o[:, 4])[0], stats(o[:, 5])[0]
-            rows.append(dict(method=f"jax_moe_comm_nvshmem_blocks{blocks}", dispatch_us=o_d,
-                             combine_us=o_c, total_us=o_med, p90_total_us=o_p90, **base))
-            say(f"{case.config:7s} T={case.tokens:4d} {case.dtype}: ours with {blocks} blocks "
-                f"{o_d:8.1f} + {o_c:8.1f} = {o_med:8.1f} us")
+            r = time_split_variant(case, mesh, args, blocks, str(blocks))
+            rows.append(dict(method=f"jax_moe_comm_nvshmem_blocks{blocks}", **r, **base))
+            say(f"{head} with {blocks} blocks {r['dispatch_us']:8.1f} + {r['combine_us']:8.1f}"
+                f" = {r['total_us']:8.1f} us")
         if "overlap" in ours:
             over = np.max(np.array([g["ours"]["overlap"] for g in gathered]), axis=0)
             overlap_rows.append(dict(config=case.config, tokens_per_rank=case.tokens,

@@ -65,13 +65,21 @@ Launch launch_for(const Shape& s, KernelId kernel, Launch tuning) {
 // slot rows for combine. Measured at 15fe1ae (8 ranks, fp8): at 1 token fused vs split
 // V2-Lite 59.2 vs 69.8 us, R1 89.4 vs 96.3; at 4 tokens a one-block dispatch (32 pairs on 16
 // warps) was slower than the split kernels (R1 79.1 vs 65.5 us dispatch).
-Launch fused_launch_for(const Shape& s, FusedOp op, int warps_per_block) {
-  // Tests: JMC_FUSED=always runs the fused kernel (one block) at any shape, =never never
-  // (create_handle refuses other values).
-  if (const char* mode = std::getenv("JMC_FUSED")) {
-    if (std::strcmp(mode, "always") == 0) return Launch{1, warps_per_block};
-    if (std::strcmp(mode, "never") == 0) return Launch{0, warps_per_block};
-  }
+// JMC_FUSED (tests): "always" runs the fused kernel (one block) at any shape, "never" never;
+// unset or empty, the rule above. create_handle refuses anything else.
+enum class FusedMode { kAuto, kAlways, kNever, kInvalid };
+
+FusedMode fused_mode_from_env() {
+  const char* mode = std::getenv("JMC_FUSED");
+  if (mode == nullptr || *mode == '\0') return FusedMode::kAuto;
+  if (std::strcmp(mode, "always") == 0) return FusedMode::kAlways;
+  if (std::strcmp(mode, "never") == 0) return FusedMode::kNever;
+  return FusedMode::kInvalid;
+}
+
+Launch fused_launch_for(const Shape& s, FusedOp op, int warps_per_block, FusedMode mode) {
+  if (mode == FusedMode::kAlways) return Launch{1, warps_per_block};
+  if (mode == FusedMode::kNever) return Launch{0, warps_per_block};
   const int64_t items = int64_t{s.max_num_tokens} *
                         (op == kFusedDispatch ? s.num_dp_groups() : s.experts_per_token);
   return Launch{items <= warps_per_block ? 1 : 0, warps_per_block};
@@ -140,10 +148,10 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
   if (!bad.empty()) return bad;
   if (tuning.warps_per_block < 2 || tuning.warps_per_block > kMaxWarpsPerBlock)
     return "warps_per_block must be in [2, " + std::to_string(kMaxWarpsPerBlock) + "]";
-  if (const char* mode = std::getenv("JMC_FUSED");
-      mode != nullptr && *mode != '\0' && std::strcmp(mode, "always") != 0 &&
-      std::strcmp(mode, "never") != 0)
-    return std::string("JMC_FUSED=") + mode + ": expected always, never or unset";
+  const FusedMode fused_mode = fused_mode_from_env();
+  if (fused_mode == FusedMode::kInvalid)
+    return std::string("JMC_FUSED=") + std::getenv("JMC_FUSED") +
+           ": expected always, never or unset";
   if (nvshmemx_init_status() < NVSHMEM_STATUS_IS_INITIALIZED)
     return "NVSHMEM is not initialized: call jax_moe_comm.init() first";
   if (nvshmem_n_pes() != shape.world_size)
@@ -160,7 +168,7 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
     h->launch[kernel] = launch_for(shape, static_cast<KernelId>(kernel), tuning);
   for (int op = 0; op < kNumFusedOps; ++op)
     h->fused_launch[op] = fused_launch_for(shape, static_cast<FusedOp>(op),
-                                           tuning.warps_per_block);
+                                           tuning.warps_per_block, fused_mode);
   std::string error = allocate_local(h.get());  // local first: nothing collective can fail on it
 
   size_t bytes = 0;

@@ -50,9 +50,9 @@ int blocks_per_sm(const Shape& s, KernelId kernel, int warps_per_block) {
   switch (kernel) {
     case kDispatchSendKernel: return dispatch_send_blocks_per_sm(warps_per_block);
     case kDispatchRecvKernel:
-      return dispatch_recv_blocks_per_sm(warps_per_block, 4 * (s.num_dp_groups() + 1));
+      return dispatch_recv_blocks_per_sm(warps_per_block, dispatch_recv_shared_bytes(s));
     case kCombineSendKernel:
-      return combine_send_blocks_per_sm(warps_per_block, 4 * (s.num_local_experts() + 1));
+      return combine_send_blocks_per_sm(warps_per_block, combine_send_shared_bytes(s));
     case kCombineRecvKernel: return combine_recv_blocks_per_sm(warps_per_block);
   }
   return 1;

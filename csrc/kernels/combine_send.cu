@@ -13,7 +13,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm
 }  // namespace
 
 cudaError_t launch_combine_send(const CombineSendParams& p, Launch l, cudaStream_t stream) {
-  const size_t shared = sizeof(int) * (p.c.shape.num_local_experts() + 1);
+  const size_t shared = combine_send_shared_bytes(p.c.shape);
   combine_send_kernel<<<l.num_blocks, l.warps_per_block * kWarpSize, shared, stream>>>(p);
   return cudaGetLastError();
 }

@@ -13,7 +13,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm
 }  // namespace
 
 cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, Launch l, cudaStream_t stream) {
-  const size_t shared = sizeof(uint32_t) * (p.c.shape.num_dp_groups() + 1);
+  const size_t shared = dispatch_recv_shared_bytes(p.c.shape);
   dispatch_recv_kernel<<<l.num_blocks, l.warps_per_block * kWarpSize, shared, stream>>>(p);
   return cudaGetLastError();
 }

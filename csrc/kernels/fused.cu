@@ -35,15 +35,12 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, 1)
   combine_recv_body<T>(recv);
 }
 
-size_t dispatch_shared_bytes(const Shape& s) { return 4 * (s.num_dp_groups() + 1); }
-size_t combine_shared_bytes(const Shape& s) { return 4 * (s.num_local_experts() + 1); }
-
 }  // namespace
 
 cudaError_t launch_dispatch(const DispatchSendParams& send, const DispatchRecvParams& recv,
                             Launch l, cudaStream_t stream) {
   if (l.num_blocks != 1) return cudaErrorInvalidConfiguration;  // see the top of this file
-  const size_t shared = dispatch_shared_bytes(send.c.shape);
+  const size_t shared = dispatch_recv_shared_bytes(send.c.shape);
   dispatch_kernel<<<l.num_blocks, l.warps_per_block * kWarpSize, shared, stream>>>(send, recv);
   return cudaGetLastError();
 }
@@ -52,7 +49,7 @@ cudaError_t launch_combine(const CombineSendParams& send, const CombineRecvParam
                            Launch l, cudaStream_t stream) {
   if (l.num_blocks != 1) return cudaErrorInvalidConfiguration;  // see the top of this file
   const dim3 grid(l.num_blocks), block(l.warps_per_block * kWarpSize);
-  const size_t shared = combine_shared_bytes(send.c.shape);
+  const size_t shared = combine_send_shared_bytes(send.c.shape);
   if (send.c.shape.out_elem_bytes == 4)
     combine_kernel<float><<<grid, block, shared, stream>>>(send, recv);
   else

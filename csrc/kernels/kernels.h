@@ -108,6 +108,15 @@ struct BarrierParams {
   uint64_t epoch;  // strictly increasing per handle
 };
 
+// Dynamic shared memory of the bodies that keep a prefix there (split and fused launches, and
+// the occupancy queries): dispatch_recv's first_record [G + 1], combine_send's first_row [L + 1].
+inline size_t dispatch_recv_shared_bytes(const Shape& s) {
+  return sizeof(uint32_t) * (s.num_dp_groups() + 1);
+}
+inline size_t combine_send_shared_bytes(const Shape& s) {
+  return sizeof(int) * (s.num_local_experts() + 1);
+}
+
 cudaError_t launch_dispatch_send(const DispatchSendParams& p, Launch l, cudaStream_t s);
 cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, Launch l, cudaStream_t s);
 cudaError_t launch_combine_send(const CombineSendParams& p, Launch l, cudaStream_t s);
