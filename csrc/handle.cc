@@ -97,9 +97,10 @@ std::string allocate_local(Handle* h) {
   auto* state = static_cast<DeviceState*>(h->scratch_memory);
   auto* words = reinterpret_cast<uint32_t*>(state + 1);
   h->scratch = LocalScratch{state, words, words + G};
-  err = cudaMalloc(&h->timings, kTimingSlots * sizeof(uint64_t));
+  const size_t timing_bytes = size_t{kTimingSamples} * kTimingSlots * sizeof(uint64_t);
+  err = cudaMalloc(&h->timings, timing_bytes);
   if (err != cudaSuccess) return cuda_failure(err, "cudaMalloc(timings)");
-  err = cudaMemset(h->timings, 0, kTimingSlots * sizeof(uint64_t));
+  err = cudaMemset(h->timings, 0, timing_bytes);
   if (err != cudaSuccess) return cuda_failure(err, "cudaMemset(timings)");
   err = cudaHostAlloc(reinterpret_cast<void**>(&h->error_host), sizeof(ErrorRecord),
                       cudaHostAllocMapped);

@@ -29,7 +29,7 @@ struct Handle {
   LocalScratch scratch{};
   ErrorRecord* error_host = nullptr;    // pinned, mapped
   ErrorRecord* error_device = nullptr;  // device view of the same memory
-  uint64_t* timings = nullptr;          // device, kTimingSlots
+  uint64_t* timings = nullptr;          // device, [kTimingSamples][kTimingSlots]
   std::string create_error;             // non-empty: this rank failed to create it
 
   // Guarded by `mutex`, which a handler holds for its whole call (check, launch, commit).
@@ -39,10 +39,16 @@ struct Handle {
   bool combine_in_flight = false;   // combine_send launched, combine_recv not yet
   uint64_t barrier_epoch = 0;
   bool timing = false;  // benchmarks: the kernels write %globaltimer stamps into `timings`
+  int64_t timing_samples = 0;  // barriers since set_timing(true): each opens a sample
 
+  // The stamps of the current sample (the last barrier's), or nullptr when timing is off.
+  uint64_t* sample_timings() const {
+    if (!timing) return nullptr;
+    const int64_t sample = timing_samples > 0 ? timing_samples - 1 : 0;
+    return timings + (sample % kTimingSamples) * kTimingSlots;
+  }
   CommonParams common() const {
-    return CommonParams{shape, sym, scratch, error_device, timing ? timings : nullptr, rank,
-                        timeout_ns};
+    return CommonParams{shape, sym, scratch, error_device, sample_timings(), rank, timeout_ns};
   }
 };
 

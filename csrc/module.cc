@@ -34,6 +34,12 @@ std::vector<uint64_t> read_u64(const uint64_t* device, int n) {
   return out;
 }
 
+void sync_device() {
+  const cudaError_t err = cudaDeviceSynchronize();
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("cudaDeviceSynchronize: ") + cudaGetErrorString(err));
+}
+
 std::shared_ptr<jmc::Handle> handle(int64_t id) {
   auto h = jmc::find_handle(id);
   if (h == nullptr) throw std::runtime_error("no all-to-all handle " + std::to_string(id));
@@ -77,9 +83,7 @@ NB_MODULE(_native, m) {
     return std::make_tuple(free, total);
   });
   m.def("synchronize", [] {
-    const cudaError_t err = cudaDeviceSynchronize();
-    if (err != cudaSuccess)
-      throw std::runtime_error(std::string("cudaDeviceSynchronize: ") + cudaGetErrorString(err));
+    sync_device();
   });
 
   m.def(
@@ -122,9 +126,7 @@ NB_MODULE(_native, m) {
   // Synchronizes, then the recorded error, else the abort word a peer set ("" if neither).
   m.def("check_handle", [](int64_t id) {
     auto h = handle(id);
-    const cudaError_t err = cudaDeviceSynchronize();
-    if (err != cudaSuccess)
-      throw std::runtime_error(std::string("cudaDeviceSynchronize: ") + cudaGetErrorString(err));
+    sync_device();
     std::string recorded = jmc::describe_error(*h->error_host, h->rank);
     return recorded.empty() ? jmc::describe_abort(*h) : recorded;
   });
@@ -132,10 +134,24 @@ NB_MODULE(_native, m) {
     auto h = handle(id);
     std::lock_guard<std::mutex> lock(h->mutex);
     h->timing = on;
+    if (on) h->timing_samples = 0;
   });
-  // Copies the timing slots to the host (synchronizes the device): ns of %globaltimer.
+  // The stamps of the samples since set_timing(true), oldest first, kTimingSlots each (ns of
+  // %globaltimer). Waits for the device first: samples may still be queued.
   m.def("read_timings", [](int64_t id) {
-    return read_u64(handle(id)->timings, jmc::kTimingSlots);
+    auto h = handle(id);
+    sync_device();
+    std::lock_guard<std::mutex> lock(h->mutex);
+    if (h->timing_samples > jmc::kTimingSamples)
+      throw std::runtime_error(std::to_string(h->timing_samples) + " samples since "
+                               "set_timing(true), but the handle keeps the stamps of " +
+                               std::to_string(jmc::kTimingSamples));
+    const std::vector<uint64_t> flat =
+        read_u64(h->timings, static_cast<int>(h->timing_samples * jmc::kTimingSlots));
+    std::vector<std::vector<uint64_t>> samples;
+    for (size_t i = 0; i < flat.size(); i += jmc::kTimingSlots)
+      samples.emplace_back(flat.begin() + i, flat.begin() + i + jmc::kTimingSlots);
+    return samples;
   });
   m.def("read_dense_timings", [](int64_t id) {
     auto h = jmc::find_dense_handle(id);

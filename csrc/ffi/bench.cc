@@ -13,11 +13,13 @@ namespace ffi = xla::ffi;
 namespace jmc {
 namespace {
 
-// Only between whole cycles: the barrier shares no counters with dispatch/combine.
+// Only between whole cycles: the barrier shares no counters with dispatch/combine. With timing
+// on, each barrier opens the next sample's stamps.
 ffi::Error Barrier(cudaStream_t stream, int64_t handle, ffi::AnyBuffer dep,
                    ffi::Result<ffi::AnyBuffer> out) {
   Call h;
   JMC_RETURN_IF_ERROR(begin(handle, Op::kBarrier, &h));
+  if (h->timing) ++h->timing_samples;
   const BarrierParams p{h->common(), h->barrier_epoch + 1};
   JMC_RETURN_IF_CUDA_ERROR(launch_barrier(p, stream));
   ++h->barrier_epoch;

@@ -44,6 +44,9 @@ __host__ __device__ constexpr int mark_slot(KernelId k, Mark m) {
 }
 constexpr int kBarrierEndSlot = 4 * kNumKernels;
 constexpr int kTimingSlots = kBarrierEndSlot + 1;
+// The handle keeps the stamps of this many samples (a sample: one barrier and the ops after
+// it), so a benchmark can enqueue samples back to back and read them all at the end.
+constexpr int kTimingSamples = 1024;
 
 // Per-handle state in ordinary device memory, owned by the kernels. Epochs count completed
 // launches of each kernel (the cycle number its flags carry); tickets elect the last block.
@@ -64,7 +67,7 @@ struct CommonParams {
   SymmetricLayout sym;
   LocalScratch scratch;
   ErrorRecord* error;  // device view of the pinned record
-  uint64_t* timings;   // [kTimingSlots] %globaltimer stamps (benchmarks), or nullptr
+  uint64_t* timings;   // [kTimingSlots] this sample's %globaltimer stamps, or nullptr
   int rank;
   uint64_t timeout_ns;
 };

@@ -172,12 +172,15 @@ class NvshmemBackend:
 
     # -- host side -------------------------------------------------------------------------
     def set_timing(self, on: bool) -> None:
-        """Benchmarks: bracket every kernel with %globaltimer stamps (read_timings)."""
+        """Benchmarks: bracket every kernel with %globaltimer stamps (read_timings). Each
+        barrier() opens a sample; on=True starts counting samples from zero."""
         self._mod.set_timing(self.handle, bool(on))
 
-    def read_timings(self) -> list[int]:
-        """ns stamps [start, end] of dispatch_send, dispatch_recv, combine_send, combine_recv."""
-        return list(self._mod.read_timings(self.handle))
+    def read_timings(self) -> list[list[int]]:
+        """Per sample since set_timing(True), oldest first: ns stamps [start, end] of
+        dispatch_send, dispatch_recv, combine_send, combine_recv, then the marks (kernels.h).
+        Waits for the device."""
+        return [list(ts) for ts in self._mod.read_timings(self.handle)]
 
     def check(self):
         """Waits for the device; raises this rank's recorded error, else a peer's abort."""
