@@ -8,8 +8,9 @@ launch each; `--split` also times dispatch_send, dispatch_recv, combine_send, co
 four calls). Samples are enqueued back to back and the host waits once at the end, as
 pplx-kernels' harness does (each rank's launches are queued before its barrier ends); the rows
 also carry `host_synced_total_us`, the same with the host waiting for every sample (then the
-last rank's launch after its barrier is on the critical path). The kernels stamp %globaltimer at their start and end, and block 0 marks when its
-waits ended and its work was done (benchmarks/timeline.py prints where the time goes).
+last rank's launch after its barrier is on the critical path). The kernels stamp %globaltimer
+at their start and end, and block 0 marks when its waits ended and its work was done
+(benchmarks/timeline.py prints where the time goes).
 dispatch_us = end of the recv half - start of the send half, combine_us likewise; a sample's
 value is the max over ranks; we report the median and p90 over samples. Correctness is checked
 against the oracle before timing.
