@@ -77,6 +77,26 @@ FusedMode fused_mode_from_env() {
   return FusedMode::kInvalid;
 }
 
+// JMC_PDL: "0" launches every kernel stream-ordered (for measuring what programmatic dependent
+// launch gains); unset, empty or "1": dependent launches on compute capability 9.0 and newer.
+// create_handle refuses anything else.
+enum class PdlMode { kAuto, kOff, kInvalid };
+
+PdlMode pdl_mode_from_env() {
+  const char* mode = std::getenv("JMC_PDL");
+  if (mode == nullptr || *mode == '\0' || std::strcmp(mode, "1") == 0) return PdlMode::kAuto;
+  if (std::strcmp(mode, "0") == 0) return PdlMode::kOff;
+  return PdlMode::kInvalid;
+}
+
+bool device_has_dependent_launch() {
+  int device = 0, major = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
+             cudaSuccess &&
+         major >= 9;
+}
+
 Launch fused_launch_for(const Shape& s, FusedOp op, int warps_per_block, FusedMode mode) {
   if (mode == FusedMode::kAlways) return Launch{1, warps_per_block};
   if (mode == FusedMode::kNever) return Launch{0, warps_per_block};
@@ -153,6 +173,9 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
   if (fused_mode == FusedMode::kInvalid)
     return std::string("JMC_FUSED=") + std::getenv("JMC_FUSED") +
            ": expected always, never or unset";
+  const PdlMode pdl_mode = pdl_mode_from_env();
+  if (pdl_mode == PdlMode::kInvalid)
+    return std::string("JMC_PDL=") + std::getenv("JMC_PDL") + ": expected 0, 1 or unset";
   if (nvshmemx_init_status() < NVSHMEM_STATUS_IS_INITIALIZED)
     return "NVSHMEM is not initialized: call jax_moe_comm.init() first";
   if (nvshmem_n_pes() != shape.world_size)
@@ -170,6 +193,9 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
   for (int op = 0; op < kNumFusedOps; ++op)
     h->fused_launch[op] = fused_launch_for(shape, static_cast<FusedOp>(op),
                                            tuning.warps_per_block, fused_mode);
+  h->dependent_launch = pdl_mode == PdlMode::kAuto && device_has_dependent_launch();
+  for (Launch& l : h->launch) l.dependent_launch = h->dependent_launch;
+  for (Launch& l : h->fused_launch) l.dependent_launch = h->dependent_launch;
   std::string error = allocate_local(h.get());  // local first: nothing collective can fail on it
 
   size_t bytes = 0;
@@ -224,6 +250,9 @@ bool probe_peers_p2p() {
 }
 
 std::string create_dense_handle(int world_size, size_t chunk_bytes, int64_t* id_out) {
+  const PdlMode pdl_mode = pdl_mode_from_env();
+  if (pdl_mode == PdlMode::kInvalid)
+    return std::string("JMC_PDL=") + std::getenv("JMC_PDL") + ": expected 0, 1 or unset";
   if (nvshmemx_init_status() < NVSHMEM_STATUS_IS_INITIALIZED)
     return "NVSHMEM is not initialized: call jax_moe_comm.init() first";
   auto h = std::make_shared<DenseHandle>();

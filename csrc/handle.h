@@ -21,6 +21,7 @@ struct Handle {
   Launch launch[kNumKernels]{};         // the split ops' kernels
   Launch fused_launch[kNumFusedOps]{};  // dispatch, combine; 0 blocks: split kernels instead
   uint64_t timeout_ns = 0;
+  bool dependent_launch = false;  // kernels start as programmatic dependents (core/launch.cuh)
   bool staged = false;        // some peer is not reachable by load/store
   void* symmetric = nullptr;  // one nvshmem_malloc
   size_t symmetric_bytes = 0;

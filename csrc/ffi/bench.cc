@@ -21,7 +21,7 @@ ffi::Error Barrier(cudaStream_t stream, int64_t handle, ffi::AnyBuffer dep,
   JMC_RETURN_IF_ERROR(begin(handle, Op::kBarrier, &h));
   if (h->timing) ++h->timing_samples;
   const BarrierParams p{h->common(), h->barrier_epoch + 1};
-  JMC_RETURN_IF_CUDA_ERROR(launch_barrier(p, stream));
+  JMC_RETURN_IF_CUDA_ERROR(launch_barrier(p, h->dependent_launch, stream));
   ++h->barrier_epoch;
   return ffi::Error::Success();
 }

@@ -5,6 +5,7 @@
 // 2. epoch strictly increases per handle (host counter), so no reset is needed.
 // timestamp: one thread writes %globaltimer (the dense all-to-all baseline's stamps).
 // blocks_per_sm: the occupancy of each all-to-all kernel, for sizing grids on the host.
+#include "core/launch.cuh"
 #include "core/protocol.cuh"
 
 namespace jmc {
@@ -17,6 +18,7 @@ int combine_recv_blocks_per_sm(int warps_per_block);
 namespace {
 
 __global__ void barrier_kernel(const BarrierParams p) {
+  wait_for_previous_kernels();
   const CommonParams& c = p.c;
   const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
   for (int peer = threadIdx.x; peer < c.shape.world_size; peer += blockDim.x)
@@ -36,9 +38,8 @@ __global__ void timestamp_kernel(uint64_t* out) { *out = globaltimer_ns(); }
 
 }  // namespace
 
-cudaError_t launch_barrier(const BarrierParams& p, cudaStream_t stream) {
-  barrier_kernel<<<1, 128, 0, stream>>>(p);
-  return cudaGetLastError();
+cudaError_t launch_barrier(const BarrierParams& p, bool dependent_launch, cudaStream_t stream) {
+  return launch_kernel(barrier_kernel, Launch{1, 4, dependent_launch}, 0, stream, p);
 }
 
 cudaError_t launch_timestamp(uint64_t* out, cudaStream_t stream) {

@@ -1,5 +1,6 @@
 // combine_send as a kernel of its own (the split op), its launcher and its occupancy.
 // Protocol and body: kernels/combine_send.cuh (the fused ops in kernels/fused.cu share it).
+#include "core/launch.cuh"
 #include "kernels/combine_send.cuh"
 
 namespace jmc {
@@ -7,6 +8,7 @@ namespace {
 
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
     combine_send_kernel(const CombineSendParams p) {
+  wait_for_previous_kernels();
   combine_send_body(p);
 }
 
@@ -14,8 +16,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm
 
 cudaError_t launch_combine_send(const CombineSendParams& p, Launch l, cudaStream_t stream) {
   const size_t shared = combine_send_shared_bytes(p.c.shape);
-  combine_send_kernel<<<l.num_blocks, l.warps_per_block * kWarpSize, shared, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(combine_send_kernel, l, shared, stream, p);
 }
 
 int combine_send_blocks_per_sm(int warps_per_block, size_t shared_bytes) {

@@ -1,5 +1,6 @@
 // dispatch_recv as a kernel of its own (the split op), its launcher and its occupancy.
 // Protocol and body: kernels/dispatch_recv.cuh (the fused ops in kernels/fused.cu share it).
+#include "core/launch.cuh"
 #include "kernels/dispatch_recv.cuh"
 
 namespace jmc {
@@ -7,6 +8,7 @@ namespace {
 
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
     dispatch_recv_kernel(const DispatchRecvParams p) {
+  wait_for_previous_kernels();
   dispatch_recv_body(p);
 }
 
@@ -14,8 +16,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm
 
 cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, Launch l, cudaStream_t stream) {
   const size_t shared = dispatch_recv_shared_bytes(p.c.shape);
-  dispatch_recv_kernel<<<l.num_blocks, l.warps_per_block * kWarpSize, shared, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(dispatch_recv_kernel, l, shared, stream, p);
 }
 
 int dispatch_recv_blocks_per_sm(int warps_per_block, size_t shared_bytes) {

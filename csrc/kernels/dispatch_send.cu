@@ -1,5 +1,6 @@
 // dispatch_send as a kernel of its own (the split op), its launcher and its occupancy.
 // Protocol and body: kernels/dispatch_send.cuh (the fused ops in kernels/fused.cu share it).
+#include "core/launch.cuh"
 #include "kernels/dispatch_send.cuh"
 
 namespace jmc {
@@ -7,14 +8,14 @@ namespace {
 
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
     dispatch_send_kernel(const DispatchSendParams p) {
+  wait_for_previous_kernels();
   dispatch_send_body(p);
 }
 
 }  // namespace
 
 cudaError_t launch_dispatch_send(const DispatchSendParams& p, Launch l, cudaStream_t stream) {
-  dispatch_send_kernel<<<l.num_blocks, l.warps_per_block * kWarpSize, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(dispatch_send_kernel, l, 0, stream, p);
 }
 
 int dispatch_send_blocks_per_sm(int warps_per_block) {

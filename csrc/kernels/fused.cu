@@ -12,6 +12,7 @@
 // 28-block grid deadlocked under MPS, where the SM share is not reserved) and leaves larger
 // shapes to the split kernels. The send body's last block closes the send launch (its epoch,
 // its counts) before the recv body starts; the halves keep separate epochs and tickets.
+#include "core/launch.cuh"
 #include "kernels/combine_recv.cuh"
 #include "kernels/combine_send.cuh"
 #include "kernels/dispatch_recv.cuh"
@@ -24,6 +25,7 @@ namespace {
 // kMinBlocksPerSm cap made the fused dispatch spill).
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, 1)
     dispatch_kernel(const DispatchSendParams send, const DispatchRecvParams recv) {
+  wait_for_previous_kernels();
   dispatch_send_body(send);
   dispatch_recv_body(recv);
 }
@@ -31,6 +33,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, 1)
 template <typename T>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, 1)
     combine_kernel(const CombineSendParams send, const CombineRecvParams recv) {
+  wait_for_previous_kernels();
   combine_send_body(send);
   combine_recv_body<T>(recv);
 }
@@ -41,20 +44,16 @@ cudaError_t launch_dispatch(const DispatchSendParams& send, const DispatchRecvPa
                             Launch l, cudaStream_t stream) {
   if (l.num_blocks != 1) return cudaErrorInvalidConfiguration;  // see the top of this file
   const size_t shared = dispatch_recv_shared_bytes(send.c.shape);
-  dispatch_kernel<<<l.num_blocks, l.warps_per_block * kWarpSize, shared, stream>>>(send, recv);
-  return cudaGetLastError();
+  return launch_kernel(dispatch_kernel, l, shared, stream, send, recv);
 }
 
 cudaError_t launch_combine(const CombineSendParams& send, const CombineRecvParams& recv,
                            Launch l, cudaStream_t stream) {
   if (l.num_blocks != 1) return cudaErrorInvalidConfiguration;  // see the top of this file
-  const dim3 grid(l.num_blocks), block(l.warps_per_block * kWarpSize);
   const size_t shared = combine_send_shared_bytes(send.c.shape);
   if (send.c.shape.out_elem_bytes == 4)
-    combine_kernel<float><<<grid, block, shared, stream>>>(send, recv);
-  else
-    combine_kernel<__nv_bfloat16><<<grid, block, shared, stream>>>(send, recv);
-  return cudaGetLastError();
+    return launch_kernel(combine_kernel<float>, l, shared, stream, send, recv);
+  return launch_kernel(combine_kernel<__nv_bfloat16>, l, shared, stream, send, recv);
 }
 
 }  // namespace jmc

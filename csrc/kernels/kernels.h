@@ -20,6 +20,8 @@ constexpr int kMinBlocksPerSm = 2;
 struct Launch {
   int num_blocks;
   int warps_per_block;
+  // Launched as a programmatic dependent of the previous kernel on the stream (core/launch.cuh).
+  bool dependent_launch = false;
 };
 
 // Which kernel: indexes epochs, tickets, launches and timing slots.
@@ -124,7 +126,7 @@ cudaError_t launch_dispatch_send(const DispatchSendParams& p, Launch l, cudaStre
 cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, Launch l, cudaStream_t s);
 cudaError_t launch_combine_send(const CombineSendParams& p, Launch l, cudaStream_t s);
 cudaError_t launch_combine_recv(const CombineRecvParams& p, Launch l, cudaStream_t s);
-cudaError_t launch_barrier(const BarrierParams& p, cudaStream_t s);
+cudaError_t launch_barrier(const BarrierParams& p, bool dependent_launch, cudaStream_t s);
 
 // The fused ops (kernels/fused.cu): both halves in one launch of one block.
 enum FusedOp : int { kFusedDispatch = 0, kFusedCombine = 1 };
