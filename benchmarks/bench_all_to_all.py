@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jax_moe_comm import (AllToAll, KernelTuning, MoEConfig, bootstrap, native,  # noqa: E402
                           order_after, testing as T)
 from jax_moe_comm.backends.nvshmem import DenseAllToAll  # noqa: E402
-from timeline import format_timeline, phase_timeline  # noqa: E402  (benchmarks/)
+from timeline import BARRIER_END, format_timeline, phase_timeline  # noqa: E402  (benchmarks/)
 
 CONFIGS = {"V2Lite": (64, 6, 2048), "R1": (256, 8, 7168)}
 
@@ -106,11 +106,13 @@ def stats(samples_us):
 
 
 def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_blocks: int = 0,
-              split: bool = False):
+              split: bool = False, lead: int = 0):
     """Per-sample kernel times of one case. split=False: the fused ops (AllToAll.dispatch and
     .combine, one launch each); split=True: send and recv as separate calls (two launches per
     op, what a layer that overlaps compute between them pays). The overlap variant (a matmul
-    between the halves) is always split."""
+    between the halves) is always split. lead > 0: a lead x lead matmul before each sample's
+    barrier, GPU work that lets the host's launches get ahead of the GPU (as a model's layers
+    before a dispatch do); it is outside the timed kernels."""
     cfg = case.moe()
     a2a = AllToAll(cfg, backend="nvshmem", tuning=KernelTuning(num_blocks=num_blocks))
     backend = a2a.backend
@@ -123,8 +125,10 @@ def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_bloc
     args = T.global_inputs(cfg, mesh, inp)
     spec = P("ep")
 
-    def body(x, x_scale, idx, w, nt, mm=None):
+    def body(x, x_scale, idx, w, nt, mm=None, lead_m=None):
         nt = nt.reshape(())
+        if lead_m is not None:
+            nt = order_after(nt, lead_m @ lead_m)
         ticket = backend.barrier(nt)
         x, x_scale, nt = order_after((x, x_scale, nt), ticket)
         if mm is None and not split:
@@ -147,29 +151,38 @@ def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_bloc
         operands = [x, xs, idx, w, nt]
         if with_mm:
             operands.append(jnp.ones((WORLD * matmul, matmul), jnp.bfloat16))
+        if lead:
+            operands.append(jnp.ones((WORLD * lead, lead), jnp.bfloat16))
 
-        def per_rank(x, xs, idx, w, nt, *mm):
-            return body(x, xs if cfg.is_fp8 else None, idx, w, nt, *mm)
+        def per_rank(x, xs, idx, w, nt, *extra):
+            extra = list(extra)
+            mm = extra.pop(0) if with_mm else None
+            lead_m = extra.pop(0) if lead else None
+            return body(x, xs if cfg.is_fp8 else None, idx, w, nt, mm, lead_m)
 
         out_specs = (spec, spec) if with_mm else spec
         fn = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(spec,) * len(operands),
                                    out_specs=out_specs))
         return lambda: fn(*operands)
 
-    def timed_samples(step, pipelined: bool) -> list:
-        """Every kernel's stamps of `samples` samples after `warmup`. Pipelined: the host
-        enqueues sample after sample and waits once at the end (pplx's harness does the same),
-        so each sample starts when the GPU is ready; else the host waits for every sample, and
-        each rank's next launch trails its barrier by the host's own launch time."""
+    def timed_samples(step, pipelined: bool) -> tuple[list, float]:
+        """Every kernel's stamps of `samples` samples after `warmup`, and the host's time per
+        sample (us). Pipelined: the host enqueues sample after sample and waits once at the
+        end (pplx's harness does the same), so a sample's launches are queued before its
+        barrier ends, if the host enqueues a sample faster than the GPU runs one; else the host
+        waits for every sample, and each rank's next launch trails its barrier by the host's
+        own launch time."""
         backend.set_timing(True)
+        t0 = time.perf_counter()
         for _ in range(warmup + samples):
             out = step()
             if not pipelined:
                 jax.block_until_ready(out)
+        host_us = (time.perf_counter() - t0) / (warmup + samples) * 1e6
         jax.block_until_ready(out)
         stamps = backend.read_timings()[warmup:]
         backend.set_timing(False)
-        return stamps
+        return stamps, host_us
 
     def per_kernel_us(ts):  # the four halves, then dispatch and combine end to end
         return [(ts[2 * p + 1] - ts[2 * p]) / 1e3 for p in range(4)] + \
@@ -179,12 +192,18 @@ def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_bloc
     variants = [("plain", False)] + ([("overlap", True)] if matmul > 0 else [])
     for label, with_mm in variants:
         step = compile_step(with_mm)
-        stamps = timed_samples(step, pipelined=True)
+        stamps, host_us = timed_samples(step, pipelined=True)
         results[label] = [per_kernel_us(ts) for ts in stamps]
         if label == "plain":
             results["stamps"] = stamps
-            results["host_synced"] = [per_kernel_us(ts)
-                                      for ts in timed_samples(step, pipelined=False)]
+            # Host-bound when the host needs as long per sample as the samples are apart on the
+            # GPU: then the queue never fills and the first launches after the barrier wait
+            # for the host.
+            results["host_us_per_sample"] = host_us
+            results["sample_period_us"] = float(np.median(np.diff(
+                [ts[BARRIER_END] for ts in stamps]))) / 1e3
+            synced, _ = timed_samples(step, pipelined=False)
+            results["host_synced"] = [per_kernel_us(ts) for ts in synced]
     a2a.check()
     a2a.close()
     return cfg, inp, results
@@ -193,7 +212,8 @@ def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_bloc
 def time_split_variant(case: Case, mesh, args, num_blocks: int, tag: str) -> dict:
     """A case again on the split kernels (send and recv as separate calls; a grid size applies
     to them): its row's times, slowest rank per sample, and its timeline."""
-    _, _, res = time_ours(case, mesh, args.samples, args.warmup, 0, num_blocks, split=True)
+    _, _, res = time_ours(case, mesh, args.samples, args.warmup, 0, num_blocks, split=True,
+                          lead=args.lead_matmul)
     each = kv_gather(f"{case}:{tag}", res)
     o = np.max(np.array([g["plain"] for g in each]), axis=0)
     total, p90 = stats(o[:, 4] + o[:, 5])
@@ -253,6 +273,9 @@ def main() -> int:
                         "makes the main rows, each other one an extra 'ours' row")
     p.add_argument("--split", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the split ops (send and recv as separate calls)")
+    p.add_argument("--lead-matmul", type=int, default=0,
+                   help="N: an N x N bf16 matmul before each sample's barrier (untimed GPU work "
+                        "that keeps the host's launches ahead of the GPU; 0: none)")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     from jax_moe_comm import init
@@ -279,7 +302,7 @@ def main() -> int:
     for case in cases:
         cfg, inp, ours = time_ours(case, mesh, args.samples, args.warmup, args.matmul
                                    if (case.tokens == 128 and case.dtype == "fp8") else 0,
-                                   grids[0])
+                                   grids[0], lead=args.lead_matmul)
         # Token-padded: each token once per rank ([max_m] rows a pair). Expert-padded: the
         # [L, max_m] block per pair that lands directly in the per-expert layout.
         dense_tok = time_dense(cfg, args.samples, args.warmup, mesh, cfg.max_num_tokens)
@@ -310,7 +333,10 @@ def main() -> int:
         synced_med, _ = stats(synced[:, 4] + synced[:, 5])
         rows.append(dict(method="jax_moe_comm_nvshmem", dispatch_us=d_med, combine_us=c_med,
                          total_us=t_med, p90_total_us=t_p90, **halves, **base,
-                         host_synced_total_us=synced_med, phases_us=phases))
+                         host_synced_total_us=synced_med, lead_matmul=args.lead_matmul,
+                         host_us_per_sample=max(g["ours"]["host_us_per_sample"] for g in gathered),
+                         sample_period_us=gathered[0]["ours"]["sample_period_us"],
+                         phases_us=phases))
         pair_bytes = (cfg.hidden * cfg.dispatch_dtype.itemsize + 4 * cfg.num_scales +
                       cfg.hidden * 2) * WORLD
         dense_total = {}
@@ -329,7 +355,8 @@ def main() -> int:
             f"{floor_us:7.1f} us; ours/floor {t_med / floor_us:5.1f}x; dense/ours "
             f"{dt_med / t_med:5.1f}x; expert-padded dense {de_med:9.1f} us "
             f"({de_med / t_med:5.1f}x ours); ours with the host waiting for every sample "
-            f"{synced_med:8.1f} us")
+            f"{synced_med:8.1f} us; host {rows[-1]['host_us_per_sample']:.0f} us per sample "
+            f"(slowest rank), samples {rows[-1]['sample_period_us']:.0f} us apart on the GPU")
         say(format_timeline(phases))
         head = f"{case.config:7s} T={case.tokens:4d} {case.dtype}: ours"
         if args.split:  # the same case with send and recv as separate calls
