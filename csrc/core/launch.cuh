@@ -1,16 +1,17 @@
 // How our kernels start: programmatic dependent launch (Hopper and newer).
 //
-// Why: 8 ranks under MPS on one GPU. After the benchmark's barrier ended on every rank within
-// 0.5 us, the ranks' next kernels started 8 to 40 us apart (R1, 1 token, commit 4cce189, with
-// every launch already queued: docs/notes.md), and every later kernel boundary added a 4-7 us
-// gap. A kernel launched with cudaLaunchAttributeProgrammaticStreamSerialization may be
-// scheduled while the kernel before it on the stream still runs, as soon as every block of
-// that one has executed griddepcontrol.launch_dependents (or at its end if it never does); it
-// then sits in griddepcontrol.wait, which returns once the earlier kernels have completed and
-// their writes are visible. So every kernel of ours first waits (before it reads anything:
-// inputs, epochs, flags) and then releases its own successor, which is resident and waiting
-// by the time we end. XLA launches its kernels without the attribute: for them, and for a
-// kernel of ours behind one of theirs, this is an ordinary stream-ordered launch.
+// Why: every kernel boundary of ours cost a 4-7 us launch gap (8 ranks under MPS on one GPU).
+// A kernel launched with cudaLaunchAttributeProgrammaticStreamSerialization may be scheduled
+// while the kernel before it on the stream still runs, as soon as every block of that one has
+// executed griddepcontrol.launch_dependents (or at its end if it never does); it then sits in
+// griddepcontrol.wait, which returns once the earlier kernels have completed and their writes
+// are visible. So every kernel of ours first waits (before it reads anything: inputs, epochs,
+// flags) and then releases its own successor, which is resident and waiting by the time we
+// end. Measured (cf3b416, JMC_PDL=0 as the A/B): dispatch_send end -> dispatch_recv start
+// 4-6 us -> 0.6-2 us. It cannot help a launch the host has not made yet (the first kernel
+// after a barrier at decode sizes, docs/notes.md). XLA launches its kernels without the
+// attribute: for them, and for a kernel of ours behind one of theirs, this is an ordinary
+// stream-ordered launch.
 #pragma once
 
 #include <cuda_runtime.h>
