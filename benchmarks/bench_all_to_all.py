@@ -118,8 +118,8 @@ def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_bloc
     backend = a2a.backend
     if RANK == 0:
         print(f"{case}: grids (blocks, warps) of the split kernels, then the fused dispatch and "
-              f"combine: {backend.launch_shape()}",
-              flush=True)
+              f"combine: {backend.launch_shape()}; dependent launch "
+              f"{'on' if backend.dependent_launch() else 'off'}", flush=True)
     inp = T.make_inputs(cfg, seed=case.tokens * 31 + len(case.config), ragged=False)
     T.run_and_check(a2a, mesh, inp)  # correctness first
     args = T.global_inputs(cfg, mesh, inp)
@@ -172,13 +172,18 @@ def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_bloc
         barrier ends, if the host enqueues a sample faster than the GPU runs one; else the host
         waits for every sample, and each rank's next launch trails its barrier by the host's
         own launch time."""
+        jax.block_until_ready(step())  # compiled before the clock starts
         backend.set_timing(True)
-        t0 = time.perf_counter()
-        for _ in range(warmup + samples):
+        for i in range(warmup + samples):
+            if i == warmup:
+                t0 = time.perf_counter()
             out = step()
             if not pipelined:
                 jax.block_until_ready(out)
-        host_us = (time.perf_counter() - t0) / (warmup + samples) * 1e6
+        # Python's enqueue time per sample; if the runtime launches on another thread or
+        # throttles executions in flight, this can understate the launch cost (compare it with
+        # the samples' spacing on the GPU, not alone).
+        host_us = (time.perf_counter() - t0) / samples * 1e6
         jax.block_until_ready(out)
         stamps = backend.read_timings()[warmup:]
         backend.set_timing(False)
@@ -278,6 +283,8 @@ def main() -> int:
                         "that keeps the host's launches ahead of the GPU; 0: none)")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
+    if args.warmup + args.samples > 1024:
+        p.error("--warmup + --samples must be <= 1024 (the stamps a handle keeps)")
     from jax_moe_comm import init
 
     init()  # NVSHMEM up before the first host barrier

@@ -89,12 +89,15 @@ PdlMode pdl_mode_from_env() {
   return PdlMode::kInvalid;
 }
 
+// The device supports it (compute capability 9.0+) and the kernel image running on it has the
+// griddepcontrol.wait (built from compute_90+ code: a build for sm_80 only, JIT-compiled on a
+// Hopper, launched as dependents, would read its predecessor's outputs unordered).
 bool device_has_dependent_launch() {
   int device = 0, major = 0;
   return cudaGetDevice(&device) == cudaSuccess &&
          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
              cudaSuccess &&
-         major >= 9;
+         major >= 9 && kernels_wait_for_previous();
 }
 
 Launch fused_launch_for(const Shape& s, FusedOp op, int warps_per_block, FusedMode mode) {
@@ -250,9 +253,6 @@ bool probe_peers_p2p() {
 }
 
 std::string create_dense_handle(int world_size, size_t chunk_bytes, int64_t* id_out) {
-  const PdlMode pdl_mode = pdl_mode_from_env();
-  if (pdl_mode == PdlMode::kInvalid)
-    return std::string("JMC_PDL=") + std::getenv("JMC_PDL") + ": expected 0, 1 or unset";
   if (nvshmemx_init_status() < NVSHMEM_STATUS_IS_INITIALIZED)
     return "NVSHMEM is not initialized: call jax_moe_comm.init() first";
   auto h = std::make_shared<DenseHandle>();

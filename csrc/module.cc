@@ -118,6 +118,8 @@ NB_MODULE(_native, m) {
       out.emplace_back(l.num_blocks, l.warps_per_block);
     return out;
   });
+  // Whether the kernels start as programmatic dependent launches (core/launch.cuh).
+  m.def("dependent_launch", [](int64_t id) { return handle(id)->dependent_launch; });
   // The first recorded kernel error ("" if none). Reads pinned memory: no device sync.
   m.def("handle_error", [](int64_t id) {
     auto h = handle(id);

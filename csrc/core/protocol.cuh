@@ -136,7 +136,8 @@ __device__ __forceinline__ void stamp_start(const CommonParams& c, KernelId kern
 }
 
 // A phase mark of block 0's thread 0 (kernels.h): after a block barrier, or (combine_recv) when
-// warp 0 has seen token 0's rows; a mark not reached keeps the previous call's value.
+// warp 0 has seen token 0's rows; a mark not reached keeps whatever its sample slot held (an
+// earlier timed run's stamp, or 0).
 __device__ __forceinline__ void stamp_mark(const CommonParams& c, KernelId kernel, Mark mark) {
   if (c.timings != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
     c.timings[mark_slot(kernel, mark)] = globaltimer_ns();

@@ -42,6 +42,13 @@ cudaError_t launch_barrier(const BarrierParams& p, bool dependent_launch, cudaSt
   return launch_kernel(barrier_kernel, Launch{1, 4, dependent_launch}, 0, stream, p);
 }
 
+bool kernels_wait_for_previous() {
+  // Every .cu is built for the same architectures, so the barrier kernel stands for all.
+  cudaFuncAttributes attributes{};
+  return cudaFuncGetAttributes(&attributes, barrier_kernel) == cudaSuccess &&
+         attributes.ptxVersion >= 90;
+}
+
 cudaError_t launch_timestamp(uint64_t* out, cudaStream_t stream) {
   timestamp_kernel<<<1, 1, 0, stream>>>(out);
   return cudaGetLastError();

@@ -1,9 +1,9 @@
 // The fused ops: dispatch (send + recv) and combine (send + recv), one launch each.
 //
-// Why: each kernel boundary costs a launch gap (4-7 us with 8 ranks under MPS on one GPU), and
-// at decode sizes each launch is host work the GPU may wait for (docs/notes.md: the host's
-// launch rate). One launch per op halves the launches, and a rank's recv starts the moment its
-// own sends are out.
+// Why: each kernel boundary costs a launch gap (4-7 us with 8 ranks under MPS on one GPU, 1-2
+// us as dependent launches: core/launch.cuh), and at decode sizes each launch is host work the
+// GPU may wait for (docs/notes.md: the host's launch rate). One launch per op halves the
+// launches, and a rank's recv starts the moment its own sends are out.
 //
 // The bodies are the split kernels' own (kernels/*.cuh), unchanged: every block runs the send
 // body, then the recv body. Recv blocks spin on records (rows) that other blocks of this grid

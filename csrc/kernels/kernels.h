@@ -127,6 +127,9 @@ cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, Launch l, cudaStre
 cudaError_t launch_combine_send(const CombineSendParams& p, Launch l, cudaStream_t s);
 cudaError_t launch_combine_recv(const CombineRecvParams& p, Launch l, cudaStream_t s);
 cudaError_t launch_barrier(const BarrierParams& p, bool dependent_launch, cudaStream_t s);
+// True when the kernels loaded on this device were compiled from compute_90+ code, so they
+// start with griddepcontrol.wait (core/launch.cuh) and may be launched as dependents.
+bool kernels_wait_for_previous();
 
 // The fused ops (kernels/fused.cu): both halves in one launch of one block.
 enum FusedOp : int { kFusedDispatch = 0, kFusedCombine = 1 };

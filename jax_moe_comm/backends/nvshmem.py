@@ -191,6 +191,10 @@ class NvshmemBackend:
         then of the fused dispatch and combine."""
         return [tuple(x) for x in self._mod.launch_shape(self.handle)]
 
+    def dependent_launch(self) -> bool:
+        """Whether the kernels start as programmatic dependent launches (Hopper+, JMC_PDL)."""
+        return bool(self._mod.dependent_launch(self.handle))
+
     def close(self):
         if self._open:
             self._mod.destroy_handle(self.handle)
