@@ -100,19 +100,37 @@ def measure_copy_bandwidth(mod) -> float:
     return float(np.median(rates))
 
 
+def measure_host_call_us(mesh) -> float:
+    """The host's time per call of a trivial jitted shard_map (one add), enqueued back to back:
+    what any jitted step costs the host before its own work (slowest rank)."""
+    spec = P("ep")
+    fn = jax.jit(jax.shard_map(lambda v: v + 1, mesh=mesh, in_specs=spec, out_specs=spec))
+    x = jax.device_put(jnp.zeros((WORLD, 8), jnp.float32), jax.sharding.NamedSharding(mesh, spec))
+    jax.block_until_ready(fn(x))
+    reps = 200
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        x = fn(x)
+    host_us = (time.perf_counter() - t0) / reps * 1e6
+    jax.block_until_ready(x)
+    return max(kv_gather("host_call", host_us))
+
+
 def stats(samples_us):
     s = sorted(samples_us)
     return statistics.median(s), s[min(len(s) - 1, int(0.9 * len(s)))]
 
 
 def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_blocks: int = 0,
-              split: bool = False, lead: int = 0):
+              split: bool = False, lead: int = 0, per_call: int = 1):
     """Per-sample kernel times of one case. split=False: the fused ops (AllToAll.dispatch and
     .combine, one launch each); split=True: send and recv as separate calls (two launches per
     op, what a layer that overlaps compute between them pays). The overlap variant (a matmul
     between the halves) is always split. lead > 0: a lead x lead matmul before each sample's
     barrier, GPU work that lets the host's launches get ahead of the GPU (as a model's layers
-    before a dispatch do); it is outside the timed kernels."""
+    before a dispatch do); it is outside the timed kernels. per_call > 1: that many samples in
+    one jitted call, each ordered after the one before (as a model's layers are in one decode
+    step), so the host pays one call's overhead per per_call samples."""
     cfg = case.moe()
     a2a = AllToAll(cfg, backend="nvshmem", tuning=KernelTuning(num_blocks=num_blocks))
     backend = a2a.backend
@@ -160,8 +178,13 @@ def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_bloc
             lead_m = extra.pop(0) if lead else None
             return body(x, xs if cfg.is_fp8 else None, idx, w, nt, mm, lead_m)
 
+        def chained(x, xs, idx, w, nt, *extra):
+            for _ in range(per_call - 1):  # each sample's barrier after the last one's output
+                nt = order_after(nt, per_rank(x, xs, idx, w, nt, *extra))
+            return per_rank(x, xs, idx, w, nt, *extra)
+
         out_specs = (spec, spec) if with_mm else spec
-        fn = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(spec,) * len(operands),
+        fn = jax.jit(jax.shard_map(chained, mesh=mesh, in_specs=(spec,) * len(operands),
                                    out_specs=out_specs))
         def step():
             return fn(*operands)
@@ -177,8 +200,10 @@ def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_bloc
         waits for every sample, and each rank's next launch trails its barrier by the host's
         own launch time."""
         backend.set_timing(True)
-        for i in range(warmup + samples):
-            if i == warmup:
+        warm_calls = -(-warmup // per_call)
+        calls = warm_calls + -(-samples // per_call)
+        for i in range(calls):
+            if i == warm_calls:
                 t0 = time.perf_counter()
             out = step()
             if not pipelined:
@@ -186,9 +211,10 @@ def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_bloc
         # Python's enqueue time per sample; if the runtime launches on another thread or
         # throttles executions in flight, this can understate the launch cost (compare it with
         # the samples' spacing on the GPU, not alone).
-        host_us = (time.perf_counter() - t0) / samples * 1e6
+        host_us = (time.perf_counter() - t0) / ((calls - warm_calls) * per_call) * 1e6
         jax.block_until_ready(out)
-        stamps = backend.read_timings()[warmup:]
+        first = warm_calls * per_call
+        stamps = backend.read_timings()[first:first + samples]
         backend.set_timing(False)
         return stamps, host_us
 
@@ -221,7 +247,7 @@ def time_split_variant(case: Case, mesh, args, num_blocks: int, tag: str) -> dic
     """A case again on the split kernels (send and recv as separate calls; a grid size applies
     to them): its row's times, slowest rank per sample, and its timeline."""
     _, _, res = time_ours(case, mesh, args.samples, args.warmup, 0, num_blocks, split=True,
-                          lead=args.lead_matmul)
+                          lead=args.lead_matmul, per_call=args.samples_per_call)
     each = kv_gather(f"{case}:{tag}", res)
     o = np.max(np.array([g["plain"] for g in each]), axis=0)
     total, p90 = stats(o[:, 4] + o[:, 5])
@@ -284,10 +310,17 @@ def main() -> int:
     p.add_argument("--lead-matmul", type=int, default=0,
                    help="N: an N x N bf16 matmul before each sample's barrier (untimed GPU work "
                         "that keeps the host's launches ahead of the GPU; 0: none)")
+    p.add_argument("--samples-per-call", type=int, default=1,
+                   help="K: K samples in one jitted call, chained like a model's layers (the "
+                        "host's per-call cost is paid once per K samples)")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
-    if args.warmup + args.samples > 1024:
-        p.error("--warmup + --samples must be <= 1024 (the stamps a handle keeps)")
+    k = args.samples_per_call
+    if k < 1:
+        p.error("--samples-per-call must be >= 1")
+    if (-(-args.warmup // k) + -(-args.samples // k)) * k > 1024:
+        p.error("--warmup + --samples (each rounded up to a multiple of --samples-per-call) "
+                "must be <= 1024 (the stamps a handle keeps)")
     from jax_moe_comm import init
 
     init()  # NVSHMEM up before the first host barrier
@@ -299,6 +332,9 @@ def main() -> int:
     say(f"copy bandwidth per rank with {WORLD} ranks copying: {bandwidth / 1e12:.3f} TB/s; SMs "
         f"this process sees: {getattr(jax.devices()[0], 'core_count', '?')} "
         f"(MPS share {os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE', 'none')} %)")
+
+    host_call_us = measure_host_call_us(mesh)
+    say(f"host time per call of a trivial jitted step: {host_call_us:.0f} us (slowest rank)")
 
     cases = [Case(c, t, d) for c in args.configs.split(",") for d in args.dtypes.split(",")
              for t in map(int, args.tokens.split(","))]
@@ -312,7 +348,8 @@ def main() -> int:
     for case in cases:
         cfg, inp, ours = time_ours(case, mesh, args.samples, args.warmup, args.matmul
                                    if (case.tokens == 128 and case.dtype == "fp8") else 0,
-                                   grids[0], lead=args.lead_matmul)
+                                   grids[0], lead=args.lead_matmul,
+                                   per_call=args.samples_per_call)
         # Token-padded: each token once per rank ([max_m] rows a pair). Expert-padded: the
         # [L, max_m] block per pair that lands directly in the per-expert layout.
         dense_tok = time_dense(cfg, args.samples, args.warmup, mesh, cfg.max_num_tokens)
@@ -344,6 +381,7 @@ def main() -> int:
         rows.append(dict(method="jax_moe_comm_nvshmem", dispatch_us=d_med, combine_us=c_med,
                          total_us=t_med, p90_total_us=t_p90, **halves, **base,
                          host_synced_total_us=synced_med, lead_matmul=args.lead_matmul,
+                         samples_per_call=args.samples_per_call,
                          host_us_per_sample=max(g["ours"]["host_us_per_sample"] for g in gathered),
                          sample_period_us=gathered[0]["ours"]["sample_period_us"],
                          phases_us=phases))
@@ -389,17 +427,18 @@ def main() -> int:
         say("note: XLA all_to_all / ragged_all_to_all rows need one process per GPU: "
             "run with real GPUs (issue 5)")
     if RANK == 0:
-        write_outputs(args, rows, overlap_rows, bandwidth, oversubscribed)
+        write_outputs(args, rows, overlap_rows, bandwidth, oversubscribed, host_call_us)
     return 0
 
 
-def write_outputs(args, rows, overlap_rows, bandwidth, oversubscribed):
+def write_outputs(args, rows, overlap_rows, bandwidth, oversubscribed, host_call_us):
     os.makedirs(args.out, exist_ok=True)
     gpu = jax.devices()[0].device_kind
     run = dict(gpu=gpu, gpu_count=len({d.id for d in jax.local_devices()}) if not
                oversubscribed else 1, world=WORLD, oversubscribed_mps=oversubscribed,
                commit=git_commit(), date=datetime.datetime.now(datetime.UTC).isoformat(),
                command=" ".join(["python"] + sys.argv), copy_bandwidth_per_rank_Bps=bandwidth,
+               host_us_per_trivial_call=host_call_us,
                rows=rows, overlap=overlap_rows,
                not_run={"xla_all_to_all": "NCCL refuses several ranks on one GPU",
                         "ragged_all_to_all": "NCCL refuses several ranks on one GPU"}
