@@ -379,13 +379,14 @@ def main() -> int:
         phases = phase_timeline([g["ours"]["stamps"] for g in gathered])
         synced = np.max(np.array([g["ours"]["host_synced"] for g in gathered]), axis=0)
         synced_med, _ = stats(synced[:, 4] + synced[:, 5])
-        rows.append(dict(method="jax_moe_comm_nvshmem", dispatch_us=d_med, combine_us=c_med,
+        ours_row = dict(method="jax_moe_comm_nvshmem", dispatch_us=d_med, combine_us=c_med,
                          total_us=t_med, p90_total_us=t_p90, **halves, **base,
                          host_synced_total_us=synced_med, lead_matmul=args.lead_matmul,
                          samples_per_call=args.samples_per_call,
                          host_us_per_sample=max(g["ours"]["host_us_per_sample"] for g in gathered),
                          sample_period_us=gathered[0]["ours"]["sample_period_us"],
-                         phases_us=phases))
+                         phases_us=phases)
+        rows.append(ours_row)
         pair_bytes = (cfg.hidden * cfg.dispatch_dtype.itemsize + 4 * cfg.num_scales +
                       cfg.hidden * 2) * WORLD
         dense_total = {}
@@ -404,8 +405,8 @@ def main() -> int:
             f"{floor_us:7.1f} us; ours/floor {t_med / floor_us:5.1f}x; dense/ours "
             f"{dt_med / t_med:5.1f}x; expert-padded dense {de_med:9.1f} us "
             f"({de_med / t_med:5.1f}x ours); ours with the host waiting for every sample "
-            f"{synced_med:8.1f} us; host {rows[-1]['host_us_per_sample']:.0f} us per sample "
-            f"(slowest rank), samples {rows[-1]['sample_period_us']:.0f} us apart on the GPU")
+            f"{synced_med:8.1f} us; host {ours_row['host_us_per_sample']:.0f} us per sample "
+            f"(slowest rank), samples {ours_row['sample_period_us']:.0f} us apart on the GPU")
         say(format_timeline(phases))
         head = f"{case.config:7s} T={case.tokens:4d} {case.dtype}: ours"
         if args.split:  # the same case with send and recv as separate calls
