@@ -380,12 +380,12 @@ def main() -> int:
         synced = np.max(np.array([g["ours"]["host_synced"] for g in gathered]), axis=0)
         synced_med, _ = stats(synced[:, 4] + synced[:, 5])
         ours_row = dict(method="jax_moe_comm_nvshmem", dispatch_us=d_med, combine_us=c_med,
-                         total_us=t_med, p90_total_us=t_p90, **halves, **base,
-                         host_synced_total_us=synced_med, lead_matmul=args.lead_matmul,
-                         samples_per_call=args.samples_per_call,
-                         host_us_per_sample=max(g["ours"]["host_us_per_sample"] for g in gathered),
-                         sample_period_us=gathered[0]["ours"]["sample_period_us"],
-                         phases_us=phases)
+                        total_us=t_med, p90_total_us=t_p90, **halves, **base,
+                        host_synced_total_us=synced_med, lead_matmul=args.lead_matmul,
+                        samples_per_call=args.samples_per_call,
+                        host_us_per_sample=max(g["ours"]["host_us_per_sample"] for g in gathered),
+                        sample_period_us=gathered[0]["ours"]["sample_period_us"],
+                        phases_us=phases)
         rows.append(ours_row)
         pair_bytes = (cfg.hidden * cfg.dispatch_dtype.itemsize + 4 * cfg.num_scales +
                       cfg.hidden * 2) * WORLD
