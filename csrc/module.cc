@@ -180,5 +180,6 @@ NB_MODULE(_native, m) {
   targets["jmc_combine"] = handler_capsule(jmc::kCombine);
   targets["jmc_barrier"] = handler_capsule(jmc::kBarrier);
   targets["jmc_dense_all_to_all"] = handler_capsule(jmc::kDenseAllToAll);
+  targets["jmc_order_after"] = handler_capsule(jmc::kOrderAfter);
   m.attr("ffi_targets") = targets;
 }

@@ -94,11 +94,48 @@ def order_after(value, *deps):
 
     XLA orders ops by data dependencies only. To overlap work with the wire time, write
     `pending = dispatch_send(...); h = f(...); out = dispatch_recv(order_after(pending, h))`:
-    dispatch_recv then waits on the device only after f ran. No kernel is added
-    (lax.optimization_barrier).
+    dispatch_recv then waits on the device only after f ran. No kernel is added. On the GPU
+    (the native module loaded, GPU the default backend) the edge is a custom call that launches
+    nothing and whose results alias `value`'s arrays:
+    XLA GPU dropped the edge of lax.optimization_barrier when `deps`' outputs were unused
+    (docs/notes.md). Elsewhere it is that barrier. XLA copies a tied array that is still read
+    elsewhere, so tie the least that the next op needs (moe.py ties `pending.state`).
     """
-    tied, _ = jax.lax.optimization_barrier((value, deps))
-    return tied
+    from . import native
+
+    gpu = native.available() and jax.default_backend() == "gpu"
+    if gpu:
+        native.register_targets()  # jmc_order_after
+    return _order_after(value, deps, gpu)
+
+
+def _order_after(value, deps, gpu: bool):
+    leaves, tree = jax.tree.flatten(value)
+    dep_leaves = jax.tree.leaves(deps)
+    if not leaves or not dep_leaves:
+        return value
+    leaves = [jnp.asarray(v) for v in leaves]
+    n = len(leaves)
+
+    def barrier(*args):
+        tied, _ = jax.lax.optimization_barrier((args[:n], args[n:]))
+        return list(tied)
+
+    @jax.custom_jvp
+    def custom_call(*args):
+        from .backends import ffi_call
+        from .backends.nvshmem import result_type
+
+        results = tuple(result_type(a, a.shape, a.dtype) for a in args[:n])
+        return list(ffi_call.call("jmc_order_after", results, *args,
+                                  aliases={i: i for i in range(n)}))
+
+    @custom_call.defjvp
+    def _(primals, tangents):  # the value's tangents pass through, as through the barrier
+        return custom_call(*primals), list(tangents[:n])
+
+    tie = custom_call if gpu else barrier
+    return jax.tree.unflatten(tree, tie(*leaves, *dep_leaves))
 
 
 def _platform() -> str:

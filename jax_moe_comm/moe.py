@@ -106,7 +106,8 @@ def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens, drop=
     pending = a2a.dispatch_send(x, indices, num_tokens)
     shared = mlp(x, params["shared_in"], params["shared_out"]) if cfg.shared_expert else None
     if shared is not None:  # the shared expert runs while the tokens are on the wire
-        pending = order_after(pending, shared)
+        # only the state is tied: tying the gradient rule's inputs too would copy x
+        pending = pending._replace(state=order_after(pending.state, shared))
     out = a2a.dispatch_recv(pending)
     expert_y = experts_forward(a2a, params, out)
     y = a2a.combine(expert_y, out.routing, indices, weights, num_tokens)

@@ -12,4 +12,5 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kDispatch);  // send + recv in one launch
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCombine);   // send + recv in one launch
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kBarrier);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kDenseAllToAll);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kOrderAfter);  // order_after's data edge, no launch
 }  // namespace jmc

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import bootstrap, native
+from . import ffi_call
 from ..config import KernelTuning, MoEConfig
 from ..errors import (CorruptDataError, InvalidRoutingError, MoECommError, PeerAbortedError,
                       PeerTimeoutError, ProtocolError)
@@ -90,8 +91,8 @@ class NvshmemBackend:
         self._open = True
 
     def _call(self, name, results, *args, side_effect=False, **attrs):
-        return jax.ffi.ffi_call(name, results, has_side_effect=side_effect)(
-            *args, handle=np.int64(self.handle), **attrs)
+        return ffi_call.call(name, results, *args, side_effect=side_effect,
+                             handle=np.int64(self.handle), **attrs)
 
     def _ticket(self, like):
         return result_type(like, (1,), jnp.int32)
@@ -216,8 +217,8 @@ class DenseAllToAll:
 
     def __call__(self, x, copy: bool = False):
         out = result_type(x, (self.world_size, self.chunk_bytes), jnp.uint8)
-        return jax.ffi.ffi_call("jmc_dense_all_to_all", out, has_side_effect=True)(
-            x, handle=np.int64(self.handle), copy=np.int64(int(copy)))
+        return ffi_call.call("jmc_dense_all_to_all", out, x, side_effect=True,
+                             handle=np.int64(self.handle), copy=np.int64(int(copy)))
 
     def read_timings(self) -> list[int]:
         """ns stamps [start, end] of the last all-to-all on the stream."""

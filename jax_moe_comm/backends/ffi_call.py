@@ -1,0 +1,94 @@
+"""Our custom calls as a JAX primitive: a side effect for XLA, none for JAX.
+
+Why not `jax.ffi.ffi_call(..., has_side_effect=True)`: that gives the jaxpr an effect, and jit
+refuses its C++ fast path to any executable with effects, so every call of a jitted step that
+holds one of our ops goes through Python dispatch: measured ~400 us of host time per call with 8
+ranks on one GPU, against ~50 us for a trivial jitted call (docs/notes.md, "The host's cost per
+call"). At decode sizes that host time, not the kernels, set the latency.
+
+What the side effect must still give, and how it is kept:
+- XLA must neither drop, merge nor reorder our calls as if they were pure: the HLO custom call
+  carries `has_side_effect` (the lowering below).
+- JAX must not drop a call whose results are unused (a send without its recv would leave the
+  handle in flight): a DCE rule keeps every side-effecting call.
+Where jax's private pieces used here are missing (another jax version), `call` falls back to
+`jax.ffi.ffi_call(has_side_effect=True)`: correct, only slower to dispatch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+try:  # the private pieces; see the module docstring for the fallback
+    from jax._src import dispatch as _dispatch
+    from jax._src.ffi import _result_avals, ffi_call_abstract_eval
+    from jax._src.interpreters import partial_eval as _pe
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+except ImportError:  # pragma: no cover - depends on the jax version
+    Primitive = None
+
+
+def _keep_always(used_outputs, eqn):
+    return [True] * len(eqn.invars), eqn
+
+
+def _drop_if_unused(used_outputs, eqn):
+    if not any(used_outputs):
+        return [False] * len(eqn.invars), None
+    return [True] * len(eqn.invars), eqn
+
+
+@functools.cache
+def _primitive():
+    if Primitive is None:
+        return None
+    p = Primitive("jmc_ffi_call")
+    p.multiple_results = True
+    p.def_impl(functools.partial(_dispatch.apply_primitive, p))
+
+    def abstract_eval(*avals, result_avals, **_):
+        # jax's own rule (shard_map varying axes, shardings), without its effect
+        out, _effects = ffi_call_abstract_eval(*avals, result_avals=result_avals,
+                                               has_side_effect=False)
+        return out
+
+    def lowering(ctx, *operands, target, side_effect, aliases, attributes, **_):
+        rule = jax.ffi.ffi_lowering(target, has_side_effect=side_effect,
+                                    operand_output_aliases=dict(aliases))
+        return rule(ctx, *operands, **dict(attributes))
+
+    def dce(used_outputs, eqn):
+        keep = _keep_always if eqn.params["side_effect"] else _drop_if_unused
+        return keep(used_outputs, eqn)
+
+    p.def_abstract_eval(abstract_eval)
+    mlir.register_lowering(p, lowering)
+    _pe.dce_rules[p] = dce
+    return p
+
+
+def fast_dispatch_supported() -> bool:
+    """Whether `call` keeps jit's C++ dispatch (False: the slower jax.ffi fallback)."""
+    return _primitive() is not None
+
+
+def call(target: str, results, *args, side_effect: bool = False,
+         aliases: dict[int, int] | None = None, **attrs):
+    """`jax.ffi.ffi_call(target, results, has_side_effect=side_effect,
+    input_output_aliases=aliases)(*args, **attrs)` without a JAX effect. `results` is a
+    ShapeDtypeStruct or a tuple of them (then a tuple comes back). Attributes must be hashable
+    scalars (numpy integers for the handle)."""
+    many = isinstance(results, (tuple, list))
+    p = _primitive()
+    if p is None:
+        fn = jax.ffi.ffi_call(target, results, has_side_effect=side_effect,
+                              input_output_aliases=aliases)
+        return fn(*args, **attrs)
+    out = p.bind(*args, target=target, result_avals=_result_avals(
+        tuple(results) if many else (results,)), side_effect=bool(side_effect),
+                 aliases=tuple(sorted((aliases or {}).items())),
+                 attributes=tuple(sorted(attrs.items())))
+    return tuple(out) if many else out[0]
