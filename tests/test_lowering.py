@@ -83,3 +83,23 @@ def test_order_after_here_keeps_values():
     np.testing.assert_array_equal(out["a"], v["a"])
     assert out["b"][1] is None
     assert api.order_after(v) is v  # no deps: nothing to order
+
+
+def test_operands_of_mixed_shard_map_variance():
+    # A stand-in made inside shard_map (jnp.zeros) does not vary over "ep"; x does.
+    from jax.sharding import PartitionSpec as P
+
+    from jax_moe_comm.backends.nvshmem import result_type
+
+    mesh = jax.make_mesh((2,), ("ep",))
+
+    def per_rank(x):
+        ticket = ffi_call.call("jmc_barrier", result_type(x, (1,), jnp.int32), x,
+                               jnp.zeros((2, 0), jnp.float32), side_effect=True,
+                               handle=np.int64(1))
+        return api._order_after(x, (ticket,), gpu=True)
+
+    fn = jax.shard_map(per_rank, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    x = jax.device_put(jnp.ones((8,)), jax.NamedSharding(mesh, P("ep")))
+    hlo = cuda_hlo(fn, x)
+    assert "@jmc_barrier" in hlo and "@jmc_order_after" in hlo

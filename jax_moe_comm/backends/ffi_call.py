@@ -22,6 +22,7 @@ import functools
 import jax
 
 try:  # the private pieces; see the module docstring for the fallback
+    from jax._src import core as _core
     from jax._src import dispatch as _dispatch
     from jax._src.ffi import _result_avals, ffi_call_abstract_eval
     from jax._src.interpreters import partial_eval as _pe
@@ -87,6 +88,10 @@ def call(target: str, results, *args, side_effect: bool = False,
         fn = jax.ffi.ffi_call(target, results, has_side_effect=side_effect,
                               input_output_aliases=aliases)
         return fn(*args, **attrs)
+    # As jax.ffi.ffi_call does: operands that do not vary over a shard_map axis that others
+    # vary over are cast to varying (jax's abstract eval wants them equal).
+    insert = getattr(_core, "auto_insert_reshard", None) or getattr(_core, "standard_insert_pvary")
+    args = insert(*args)
     out = p.bind(*args, target=target, result_avals=_result_avals(
         tuple(results) if many else (results,)), side_effect=bool(side_effect),
                  aliases=tuple(sorted((aliases or {}).items())),
