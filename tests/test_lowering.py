@@ -2,6 +2,8 @@
 XLA must see a side effect, JAX must see none (jit's C++ dispatch), and order_after's edge must
 be a custom call XLA keeps."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,3 +105,15 @@ def test_operands_of_mixed_shard_map_variance():
     x = jax.device_put(jnp.ones((8,)), jax.NamedSharding(mesh, P("ep")))
     hlo = cuda_hlo(fn, x)
     assert "@jmc_barrier" in hlo and "@jmc_order_after" in hlo
+
+
+@pytest.mark.parametrize("policy", [None, "nothing_saveable"])
+def test_checkpoint_never_recomputes_our_calls(policy):
+    @functools.partial(jax.checkpoint, policy=policy and getattr(jax.checkpoint_policies, policy))
+    def layer(x):
+        ticket = barrier(jax.lax.stop_gradient(x))  # (our ops differentiate via custom_vjp)
+        return jnp.sin(api._order_after(x, (ticket,), gpu=True)) * 2
+
+    hlo = cuda_hlo(jax.grad(lambda x: layer(x).sum()), jnp.ones((4,), jnp.float32))
+    assert hlo.count("@jmc_barrier(") == 1
+    assert hlo.count("@jmc_order_after(") == 1

@@ -11,6 +11,8 @@ What the side effect must still give, and how it is kept:
   carries `has_side_effect` (the lowering below).
 - JAX must not drop a call whose results are unused (a send without its recv would leave the
   handle in flight): a DCE rule keeps every side-effecting call.
+- jax.checkpoint must not run a call again in the backward pass: a remat rule saves its
+  outputs instead (GPU run: recomputed sends broke a 3-layer remat step with ProtocolError).
 Where jax's private pieces used here are missing (another jax version), `call` falls back to
 `jax.ffi.ffi_call(has_side_effect=True)`: correct, only slower to dispatch.
 """
@@ -65,9 +67,20 @@ def _primitive():
         keep = _keep_always if eqn.params["side_effect"] else _drop_if_unused
         return keep(used_outputs, eqn)
 
+    def remat(saveable, unknown_in, instantiated_in, eqn):
+        # jax.checkpoint: never recompute a call in the backward pass (a second dispatch_send
+        # there, without its recv, breaks the protocol); its outputs are saved, as jax does
+        # for any primitive with an effect.
+        if any(unknown_in):
+            residuals = [v for v, inst in zip(eqn.invars, instantiated_in)
+                         if isinstance(v, _core.Var) and not inst]
+            return None, eqn, [True] * len(eqn.outvars), [True] * len(eqn.outvars), residuals
+        return eqn, None, [False] * len(eqn.outvars), [False] * len(eqn.outvars), []
+
     p.def_abstract_eval(abstract_eval)
     mlir.register_lowering(p, lowering)
     _pe.dce_rules[p] = dce
+    _pe.partial_eval_jaxpr_custom_rules[p] = remat
     return p
 
 
