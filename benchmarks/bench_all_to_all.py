@@ -100,13 +100,14 @@ def measure_copy_bandwidth(mod) -> float:
     return float(np.median(rates))
 
 
-def measure_host_call_us(mesh) -> float:
-    """The host's time per call of a trivial jitted shard_map (one add), enqueued back to back:
-    what any jitted step costs the host before its own work (slowest rank)."""
+def measure_host_call_us(mesh, per_rank=lambda v: v + 1, tag: str = "trivial") -> float:
+    """The host's time per call of a jitted shard_map of `per_rank` (default a trivial add) on
+    an int32 [1] per rank, enqueued back to back: what any jitted step costs the host before its
+    own work (slowest rank)."""
     spec = P("ep")
-    fn = jax.jit(jax.shard_map(lambda v: v + 1, mesh=mesh, in_specs=spec, out_specs=spec))
-    x = jax.make_array_from_callback((WORLD, 8), jax.sharding.NamedSharding(mesh, spec),
-                                     lambda idx: np.zeros((1, 8), np.float32))
+    fn = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=spec, out_specs=spec))
+    x = jax.make_array_from_callback((WORLD,), jax.sharding.NamedSharding(mesh, spec),
+                                     lambda idx: np.zeros((1,), np.int32))
     jax.block_until_ready(fn(x))
     reps = 200
     t0 = time.perf_counter()
@@ -114,7 +115,7 @@ def measure_host_call_us(mesh) -> float:
         x = fn(x)
     host_us = (time.perf_counter() - t0) / reps * 1e6
     jax.block_until_ready(x)
-    return max(kv_gather("host_call", host_us))
+    return max(kv_gather(f"host_call:{tag}", host_us))
 
 
 def stats(samples_us):
@@ -135,6 +136,9 @@ def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_bloc
     cfg = case.moe()
     a2a = AllToAll(cfg, backend="nvshmem", tuning=KernelTuning(num_blocks=num_blocks))
     backend = a2a.backend
+    # one custom call of ours (the barrier) alone: its host cost beside the trivial call's
+    barrier_call_us = measure_host_call_us(mesh, backend.barrier,
+                                           f"barrier:{case}:{split}:{num_blocks}:{lead}")
     if RANK == 0:
         print(f"{case}: grids (blocks, warps) of the split kernels, then the fused dispatch and "
               f"combine: {backend.launch_shape()}; dependent launch "
@@ -235,6 +239,7 @@ def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_bloc
             # GPU: then the queue never fills and the first launches after the barrier wait
             # for the host.
             results["host_us_per_sample"] = host_us
+            results["host_us_per_barrier_call"] = barrier_call_us
             results["sample_period_us"] = float(np.median(np.diff(
                 [ts[BARRIER_END] for ts in stamps]))) / 1e3
             synced, _ = timed_samples(step, pipelined=False)
@@ -384,6 +389,7 @@ def main() -> int:
                         host_synced_total_us=synced_med, lead_matmul=args.lead_matmul,
                         samples_per_call=args.samples_per_call,
                         host_us_per_sample=max(g["ours"]["host_us_per_sample"] for g in gathered),
+                        host_us_per_barrier_call=gathered[0]["ours"]["host_us_per_barrier_call"],
                         sample_period_us=gathered[0]["ours"]["sample_period_us"],
                         phases_us=phases)
         rows.append(ours_row)
@@ -406,7 +412,8 @@ def main() -> int:
             f"{dt_med / t_med:5.1f}x; expert-padded dense {de_med:9.1f} us "
             f"({de_med / t_med:5.1f}x ours); ours with the host waiting for every sample "
             f"{synced_med:8.1f} us; host {ours_row['host_us_per_sample']:.0f} us per sample "
-            f"(slowest rank), samples {ours_row['sample_period_us']:.0f} us apart on the GPU")
+            f"(slowest rank), samples {ours_row['sample_period_us']:.0f} us apart on the GPU; a "
+            f"jitted barrier alone {ours_row['host_us_per_barrier_call']:.0f} us per call")
         say(format_timeline(phases))
         head = f"{case.config:7s} T={case.tokens:4d} {case.dtype}: ours"
         if args.split:  # the same case with send and recv as separate calls
