@@ -96,10 +96,10 @@ def order_after(value, *deps):
     `pending = dispatch_send(...); h = f(...); out = dispatch_recv(order_after(pending, h))`:
     dispatch_recv then waits on the device only after f ran. No kernel is added. On the GPU
     (the native module loaded, GPU the default backend) the edge is a custom call that launches
-    nothing and whose results alias `value`'s arrays:
-    XLA GPU dropped the edge of lax.optimization_barrier when `deps`' outputs were unused
-    (docs/notes.md). Elsewhere it is that barrier. XLA copies a tied array that is still read
-    elsewhere, so tie the least that the next op needs (moe.py ties `pending.state`).
+    nothing and whose results alias `value`'s arrays, because XLA GPU dropped the edge of a
+    lax.optimization_barrier whose `deps` outputs were unused (docs/notes.md); elsewhere it is
+    that barrier. XLA copies a tied array that is still read elsewhere, so tie the least that
+    the next op needs (moe.py ties `pending.state`).
     """
     from . import native
 

@@ -30,7 +30,12 @@ try:  # the private pieces; see the module docstring for the fallback
     from jax._src.interpreters import partial_eval as _pe
     from jax.extend.core import Primitive
     from jax.interpreters import mlir
-except ImportError:  # pragma: no cover - depends on the jax version
+
+    # As jax.ffi.ffi_call does before binding: operands that do not vary over a shard_map axis
+    # that others vary over are cast to varying (jax's abstract eval wants them equal).
+    _insert_varying = (getattr(_core, "auto_insert_reshard", None) or
+                       getattr(_core, "standard_insert_pvary"))
+except (ImportError, AttributeError):  # pragma: no cover - depends on the jax version
     Primitive = None
 
 
@@ -101,12 +106,8 @@ def call(target: str, results, *args, side_effect: bool = False,
         fn = jax.ffi.ffi_call(target, results, has_side_effect=side_effect,
                               input_output_aliases=aliases)
         return fn(*args, **attrs)
-    # As jax.ffi.ffi_call does: operands that do not vary over a shard_map axis that others
-    # vary over are cast to varying (jax's abstract eval wants them equal).
-    insert = getattr(_core, "auto_insert_reshard", None) or getattr(_core, "standard_insert_pvary")
-    args = insert(*args)
-    out = p.bind(*args, target=target, result_avals=_result_avals(
-        tuple(results) if many else (results,)), side_effect=bool(side_effect),
-                 aliases=tuple(sorted((aliases or {}).items())),
+    out = p.bind(*_insert_varying(*args), target=target,
+                 result_avals=_result_avals(tuple(results) if many else (results,)),
+                 side_effect=bool(side_effect), aliases=tuple(sorted((aliases or {}).items())),
                  attributes=tuple(sorted(attrs.items())))
     return tuple(out) if many else out[0]
