@@ -40,9 +40,10 @@ at a time: layer i's backward needs layer i+1's d x, which is the recv of layer 
 backward all-to-all; and the forward cycles of a sequential model all precede the loss.
 
 jax.checkpoint: on the nvshmem backend the all-to-alls run once in the forward pass and their
-outputs are saved (allow_remat_of_ffi_calls), so a rematerialised layer recomputes its experts,
-not its communication. The reference backend (plain JAX) recomputes them unless a policy saves
-the outputs named CHECKPOINT_NAME; it is stateless, so that is only time.
+outputs are saved (the remat rule of backends/ffi_call.py; allow_remat_of_ffi_calls where that
+module falls back to effectful jax.ffi calls), so a rematerialised layer recomputes its
+experts, not its communication. The reference backend (plain JAX) recomputes them unless a
+policy saves the outputs named CHECKPOINT_NAME; it is stateless, so that is only time.
 
 Padding rows of expert_x (rows >= expert_num_tokens) are zeroed by differentiable handles in
 every dispatch (primal and forward rule alike, since a jax.grad that does not differentiate x
@@ -102,7 +103,8 @@ class Plan:
 
 
 def allow_remat_of_ffi_calls() -> bool:
-    """Let jax.checkpoint hold side-effecting FFI calls (every nvshmem op is one). JAX refuses
+    """Let jax.checkpoint hold side-effecting jax.ffi calls (the nvshmem ops are, where
+    backends/ffi_call.py falls back to them; its own primitive has a remat rule). JAX refuses
     them ("Effects not supported in partial-eval of checkpoint/remat") unless their effect type
     is remat-allowed; allowed, an effectful call always runs in the forward pass and its
     outputs are saved, never recomputed, which is what an all-to-all wants: a recomputed one

@@ -306,8 +306,9 @@ def test_remat_policy_keeps_the_all_to_alls_out_of_the_recomputation():
 
 
 class MarkedBackend:
-    """The reference backend with a side-effecting FFI call in every send, as every nvshmem op
-    is one (for lowering only: the target does not exist)."""
+    """The reference backend with a side-effecting custom call in every send, made as the
+    nvshmem ops make theirs (backends/ffi_call.py; for tracing only: the target does not
+    exist)."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -319,8 +320,10 @@ class MarkedBackend:
     def _mark(like):
         from jax_moe_comm.backends.nvshmem import result_type
 
+        from jax_moe_comm.backends import ffi_call
+
         out = result_type(like, (1,), jnp.int32)
-        return jax.ffi.ffi_call("jmc_test_marker", out, has_side_effect=True)(like)
+        return ffi_call.call("jmc_test_marker", out, like, side_effect=True)
 
     def dispatch_send(self, x, *args, **kwargs):
         return self.inner.dispatch_send(x, *args, **kwargs), self._mark(x)
@@ -345,15 +348,16 @@ def _count_ffi(jaxpr, target):
 
     n = 0
     for eqn in jaxpr.eqns:
-        n += eqn.primitive.name == "ffi_call" and eqn.params.get("target_name") == target
+        n += eqn.primitive.name in ("ffi_call", "jmc_ffi_call") and target in (
+            eqn.params.get("target_name"), eqn.params.get("target"))
         n += sum(_count_ffi(sub, target) for sub in core.jaxprs_in_params(eqn.params))
     return n
 
 
 def test_checkpoint_runs_side_effecting_all_to_alls_once():
-    """JAX refuses jax.checkpoint around side-effecting FFI calls (the nvshmem ops) unless
-    their effect is remat-allowed; then each runs once, in the forward pass, and is saved:
-    a rematerialised layer recomputes no all-to-all."""
+    """The nvshmem ops under jax.checkpoint each run once, in the forward pass, and are saved
+    (ffi_call's remat rule; effectful jax.ffi calls where it falls back, remat-allowed): a
+    rematerialised layer recomputes no all-to-all."""
     assert autodiff.allow_remat_of_ffi_calls()  # what the nvshmem backend's creation does
     cfg = MoELayerConfig(**LAYER)
     world = 8
