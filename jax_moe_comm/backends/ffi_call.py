@@ -39,16 +39,6 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the jax v
     Primitive = None
 
 
-def _keep_always(used_outputs, eqn):
-    return [True] * len(eqn.invars), eqn
-
-
-def _drop_if_unused(used_outputs, eqn):
-    if not any(used_outputs):
-        return [False] * len(eqn.invars), None
-    return [True] * len(eqn.invars), eqn
-
-
 @functools.cache
 def _primitive():
     if Primitive is None:
@@ -68,9 +58,10 @@ def _primitive():
                                     operand_output_aliases=dict(aliases))
         return rule(ctx, *operands, **dict(attributes))
 
-    def dce(used_outputs, eqn):
-        keep = _keep_always if eqn.params["side_effect"] else _drop_if_unused
-        return keep(used_outputs, eqn)
+    def dce(used_outputs, eqn):  # a side-effecting call stays even with no output used
+        if eqn.params["side_effect"] or any(used_outputs):
+            return [True] * len(eqn.invars), eqn
+        return [False] * len(eqn.invars), None
 
     def remat(saveable, unknown_in, instantiated_in, eqn):
         # jax.checkpoint: never recompute a call in the backward pass (a second dispatch_send
