@@ -48,11 +48,9 @@ __device__ __forceinline__ void write_record(const DispatchSendParams& p, uint8_
   }
   warp_copy(rec + r.header_bytes, p.x + static_cast<size_t>(t) * r.payload_bytes,
             r.payload_bytes, lane);
-  if (p.x_scale != nullptr) {
-    float* scales = reinterpret_cast<float*>(rec + r.header_bytes + r.payload_bytes);
-    for (int i = lane; i < s.num_scales; i += kWarpSize)
-      scales[i] = p.x_scale[static_cast<size_t>(t) * s.num_scales + i];
-  }
+  if (p.x_scale != nullptr)
+    warp_copy_floats(reinterpret_cast<float*>(rec + r.header_bytes + r.payload_bytes),
+                     p.x_scale + static_cast<size_t>(t) * s.num_scales, s.num_scales, lane);
 }
 
 __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) {

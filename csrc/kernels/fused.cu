@@ -11,6 +11,7 @@
 // 28-block grid deadlocked under MPS, where the SM share is not reserved) and leaves larger
 // shapes to the split kernels. The send body's last block closes the send launch (its epoch,
 // its counts) before the recv body starts; the halves keep separate epochs and tickets.
+#define JMC_COPY_UNROLL 8  // core/vec.cuh: one block has the registers for it
 #include "core/launch.cuh"
 #include "kernels/combine_recv.cuh"
 #include "kernels/combine_send.cuh"
