@@ -53,18 +53,27 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
   stamp_mark(c, kCombineSendKernel, kWaited);
 
   // Step 2: rows of all experts numbered through a prefix of the counts.
+  // Warp 0 loads 32 counts at a time and scans them with shuffles: one thread walking L = 32
+  // counts made 32 dependent loads (R1: L = 32), ~0.3 us each under MPS.
   extern __shared__ int first_row[];  // [L + 1]
-  if (threadIdx.x == 0) {
-    first_row[0] = 0;
-    for (int e = 0; e < L; ++e) {
-      int n = p.expert_num_tokens[e];
+  if (threadIdx.x < kWarpSize) {
+    int before = 0;  // rows of experts [0, e0)
+    for (int e0 = 0; e0 < L; e0 += kWarpSize) {
+      const int e = e0 + w.lane;
+      int n = e < L ? p.expert_num_tokens[e] : 0;
       if (n < 0 || n > R) {
         if (blockIdx.x == 0)
           fail(c, kCorruptData, kPhaseCombineSend, -1, -1, R, n, kWhatExpertCount);
         n = 0;
       }
-      first_row[e + 1] = first_row[e] + n;
+      for (int d = 1; d < kWarpSize; d *= 2) {  // inclusive prefix over the lanes
+        const int below = __shfl_up_sync(0xffffffffu, n, d);
+        if (w.lane >= d) n += below;
+      }
+      if (e < L) first_row[e + 1] = before + n;
+      before += __shfl_sync(0xffffffffu, n, kWarpSize - 1);
     }
+    if (w.lane == 0) first_row[0] = 0;
   }
   __syncthreads();
   const int rows = ok ? min(first_row[L], s.max_recv_rows()) : 0;
