@@ -80,6 +80,11 @@ __device__ __forceinline__ int4 to_bf16x8(const float (&acc)[kElemsPerChunk]) {
   return out;
 }
 
+// Slots whose chunks a lane loads at once: as many 16-byte loads as warp_copy keeps in flight
+// (core/vec.cuh: 8 in the fused kernel, 4 under the split kernels' register cap).
+template <typename T>
+constexpr int kSlotBatch = kCopyUnroll * kVecBytes / static_cast<int>(sizeof(Chunk<T>));
+
 template <typename T>
 __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
   const CommonParams& c = p.c;
@@ -127,17 +132,25 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
     }
 
     // Step 2: weighted sum in f32 over the part's chunks (zeros for dead or failed tokens).
+    // The chunks of kSlotBatch slots are loaded before any is summed or stored, so a lane has
+    // them in flight together (one at a time, R1's k = 8 rows were 8 round trips per chunk).
     for (int ch = c0 + w.lane; ch < c1; ch += kWarpSize) {
       float acc[kElemsPerChunk] = {};
-      for (int j = 0; j < k; ++j) {
-        Chunk<T> v;
-        if (live && valid(j)) {
-          v.load(sym.combine_row(t, j), ch);
-          v.accumulate(wt[j], acc);
-        } else {
-          v.zero();
+      for (int j0 = 0; j0 < k; j0 += kSlotBatch<T>) {
+        Chunk<T> v[kSlotBatch<T>];
+#pragma unroll
+        for (int u = 0; u < kSlotBatch<T>; ++u) {
+          const int j = j0 + u;
+          if (j < k && live && valid(j)) v[u].load(sym.combine_row(t, j), ch);
+          else v[u].zero();
         }
-        if (slots) v.store(slots + j * slot_bytes, ch);
+#pragma unroll
+        for (int u = 0; u < kSlotBatch<T>; ++u) {
+          const int j = j0 + u;
+          if (j >= k) break;
+          if (live && valid(j)) v[u].accumulate(wt[j], acc);
+          if (slots) v[u].store(slots + j * slot_bytes, ch);
+        }
       }
       y_row[ch] = to_bf16x8(acc);
     }
