@@ -91,29 +91,33 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
         fail(c, kCorruptData, kPhaseDispatchRecv, sender, t, s.max_num_tokens, t, kWhatRecord);
       break;
     }
-    for (int j = 0; j < k; ++j) {
-      const int e = header[1 + j] - first_expert;
-      if (e < 0 || e >= L) continue;
-      int row = 0;
-      if (w.lane == 0) row = static_cast<int>(atomicAdd(&c.scratch.expert_fill[e], 1u));
-      row = __shfl_sync(0xffffffffu, row, 0);
+    // One lane per slot takes the rows of the record's local experts, all atomics in flight
+    // together (one after another, a record with several local experts paid a round trip
+    // each); then the warp copies the payload into each row.
+    for (int j0 = 0; j0 < k; j0 += kWarpSize) {
+      const int j = j0 + w.lane;
+      const int e = j < k ? header[1 + j] - first_expert : -1;
+      int row = -1;
+      if (e >= 0 && e < L) row = static_cast<int>(atomicAdd(&c.scratch.expert_fill[e], 1u));
       if (row >= R) {  // more rows than any routing can make: a corrupt header
-        if (w.lane == 0)
-          fail(c, kCorruptData, kPhaseDispatchRecv, sender, t, R, row, kWhatRow);
-        break;
+        fail(c, kCorruptData, kPhaseDispatchRecv, sender, t, R, row, kWhatRow);
+        row = -1;
       }
-      const size_t out_row = static_cast<size_t>(e) * R + row;
-      warp_copy(p.expert_x + out_row * sym.record.payload_bytes, rec + sym.record.header_bytes,
-                sym.record.payload_bytes, w.lane);
-      if (p.expert_x_scale != nullptr) {
-        const float* scales = reinterpret_cast<const float*>(rec + sym.record.header_bytes +
-                                                             sym.record.payload_bytes);
-        for (int q = w.lane; q < s.num_scales; q += kWarpSize)
-          p.expert_x_scale[out_row * s.num_scales + q] = scales[q];
-      }
-      if (w.lane == 0) {
-        p.row_source[out_row] = pack_source(g, t, j, s.max_num_tokens, k);
-        p.expert_weights[out_row] = header_weights[j];
+      for (uint32_t todo = __ballot_sync(0xffffffffu, row >= 0); todo != 0; todo &= todo - 1) {
+        const int from = __ffs(todo) - 1;  // the lane of the next local slot
+        const size_t out_row = static_cast<size_t>(__shfl_sync(0xffffffffu, e, from)) * R +
+                               __shfl_sync(0xffffffffu, row, from);
+        warp_copy(p.expert_x + out_row * sym.record.payload_bytes, rec + sym.record.header_bytes,
+                  sym.record.payload_bytes, w.lane);
+        if (p.expert_x_scale != nullptr)
+          warp_copy_floats(p.expert_x_scale + out_row * s.num_scales,
+                           reinterpret_cast<const float*>(rec + sym.record.header_bytes +
+                                                          sym.record.payload_bytes),
+                           s.num_scales, w.lane);
+        if (w.lane == from) {
+          p.row_source[out_row] = pack_source(g, t, j, s.max_num_tokens, k);
+          p.expert_weights[out_row] = header_weights[j];
+        }
       }
     }
   }
