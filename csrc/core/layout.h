@@ -123,6 +123,9 @@ struct SymmetricLayout {
     *total_bytes = off;
     return l;
   }
+  // Some peer is reached through a network transport, not by load/store (so puts are staged
+  // and waits need NVSHMEM's consistency hook). The same on every rank.
+  __host__ __device__ bool staged() const { return send_records != nullptr; }
   // Bytes at the front that hold flags and counters (zeroed once at creation).
   size_t flag_bytes() const { return flag_bytes_; }
 

@@ -21,17 +21,13 @@ __device__ __forceinline__ uint64_t ld_acquire_sys_u64(const uint64_t* p) {
   return v;
 }
 
-// cuda::atomic_ref<uint64_t, thread_scope_system>(*p).store(v, memory_order_relaxed)
-__device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
+// cuda::atomic_ref<uint64_t, thread_scope_system>(*p).store(v, memory_order_release)
 // Publishes every write this thread made or observed before (a warp/block sync first makes the
-// other lanes' writes observed), then the flag: __threadfence_system() + relaxed store, the
-// order NVSHMEM's own P2P put-with-signal uses (DESIGN §4).
+// other lanes' writes observed), then the flag. SASS: MEMBAR.ALL.SYS + the store, where
+// __threadfence_system() + a relaxed store (NVSHMEM's own P2P put-with-signal order) is the
+// stronger MEMBAR.SC.SYS plus an L1 invalidation: more than a release needs.
 __device__ __forceinline__ void st_release_sys_u64(uint64_t* p, uint64_t v) {
-  __threadfence_system();
-  st_relaxed_sys_u64(p, v);
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 // Nanoseconds of the GPU's global timer (coarse, but shared by all SMs).

@@ -70,9 +70,11 @@ __device__ __forceinline__ bool poisoned_at_start(const CommonParams& c, Phase p
 
 enum class Wait { kArrived, kTimedOut, kAborted };
 
-// Spins until *flag >= expected. Polls relaxed; when the value is there, one acquire load plus
-// nvshmem_uint64_test, which runs the transport's post-wait consistency hook (proxy
-// transports need it, DESIGN §11). Gives up at the deadline or when the abort word is set.
+// Spins until *flag >= expected. Polls relaxed; when the value is there, one acquire load and,
+// if some peer goes through a proxy transport, nvshmem_uint64_test, which runs the transport's
+// post-wait consistency hook (DESIGN §11; with only load/store peers the acquire is the whole
+// story, and the hook's extra load and fence sat on every wait's critical path). Gives up at
+// the deadline or when the abort word is set.
 __device__ __forceinline__ Wait wait_ge(const CommonParams& c, const uint64_t* flag,
                                         uint64_t expected, uint64_t deadline, uint64_t* seen) {
   uint64_t v = ld_relaxed_sys_u64(flag);
@@ -89,7 +91,7 @@ __device__ __forceinline__ Wait wait_ge(const CommonParams& c, const uint64_t* f
     v = ld_relaxed_sys_u64(flag);
   }
   *seen = ld_acquire_sys_u64(flag);
-  nvshmem_uint64_test(const_cast<uint64_t*>(flag), NVSHMEM_CMP_GE, expected);
+  if (c.sym.staged()) nvshmem_uint64_test(const_cast<uint64_t*>(flag), NVSHMEM_CMP_GE, expected);
   return Wait::kArrived;
 }
 
@@ -149,6 +151,7 @@ __device__ __forceinline__ bool is_last_block(const CommonParams& c, KernelId ke
   __shared__ bool last;
   __syncthreads();
   stamp_mark(c, kernel, kWorked);
+  if (gridDim.x == 1) return true;  // the fused kernels: no ticket, no fences (~1 us each)
   if (threadIdx.x == 0) {
     __threadfence();
     last = atomicAdd(&c.scratch.state->ticket[kernel], 1u) == gridDim.x - 1;
