@@ -120,7 +120,7 @@ std::string allocate_local(Handle* h) {
   auto* state = static_cast<DeviceState*>(h->scratch_memory);
   auto* words = reinterpret_cast<uint32_t*>(state + 1);
   h->scratch = LocalScratch{state, words, words + G};
-  const size_t timing_bytes = size_t{kTimingSamples} * kTimingSlots * sizeof(uint64_t);
+  const size_t timing_bytes = size_t{kTimingSamples + 1} * kTimingSlots * sizeof(uint64_t);
   err = cudaMalloc(&h->timings, timing_bytes);
   if (err != cudaSuccess) return cuda_failure(err, "cudaMalloc(timings)");
   err = cudaMemset(h->timings, 0, timing_bytes);

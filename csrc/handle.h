@@ -30,7 +30,9 @@ struct Handle {
   LocalScratch scratch{};
   ErrorRecord* error_host = nullptr;    // pinned, mapped
   ErrorRecord* error_device = nullptr;  // device view of the same memory
-  uint64_t* timings = nullptr;          // device, [kTimingSamples][kTimingSlots]
+  // device, [kTimingSamples + 1][kTimingSlots]: the ring of finished samples, then the
+  // current sample's row (the kernels stamp it; the next barrier files it into the ring)
+  uint64_t* timings = nullptr;
   std::string create_error;             // non-empty: this rank failed to create it
 
   // Guarded by `mutex`, which a handler holds for its whole call (check, launch, commit).
@@ -38,18 +40,15 @@ struct Handle {
   bool closed = false;
   bool dispatch_in_flight = false;  // dispatch_send launched, dispatch_recv not yet
   bool combine_in_flight = false;   // combine_send launched, combine_recv not yet
-  uint64_t barrier_epoch = 0;
-  bool timing = false;  // benchmarks: the kernels write %globaltimer stamps into `timings`
-  int64_t timing_samples = 0;  // barriers since set_timing(true): each opens a sample
+  int64_t handler_calls = 0;  // handler executions (XLA replaying a graph runs none)
+  // Benchmarks: the kernels write %globaltimer stamps. Read when a handler runs, so a call
+  // XLA recorded into a CUDA graph keeps the setting it was recorded with.
+  bool timing = false;
 
-  // The stamps of the current sample (the last barrier's), or nullptr when timing is off.
-  uint64_t* sample_timings() const {
-    if (!timing) return nullptr;
-    const int64_t sample = timing_samples > 0 ? timing_samples - 1 : 0;
-    return timings + (sample % kTimingSamples) * kTimingSlots;
-  }
+  uint64_t* current_timings() const { return timings + size_t{kTimingSamples} * kTimingSlots; }
   CommonParams common() const {
-    return CommonParams{shape, sym, scratch, error_device, sample_timings(), rank, timeout_ns};
+    return CommonParams{shape, sym, scratch, error_device,
+                        timing ? current_timings() : nullptr, rank, timeout_ns};
   }
 };
 

@@ -132,28 +132,50 @@ NB_MODULE(_native, m) {
     std::string recorded = jmc::describe_error(*h->error_host, h->rank);
     return recorded.empty() ? jmc::describe_abort(*h) : recorded;
   });
+  // Timing on: the stamps start over (device counters: waits for queued work first). Takes
+  // effect for calls whose handler runs after it (a call replayed from a CUDA graph keeps
+  // what it was recorded with: turn timing on before a compiled function first runs).
   m.def("set_timing", [](int64_t id, bool on) {
     auto h = handle(id);
     std::lock_guard<std::mutex> lock(h->mutex);
     h->timing = on;
-    if (on) h->timing_samples = 0;
+    if (!on) return;
+    sync_device();
+    const cudaError_t err = cudaMemset(&h->scratch.state->timing_opened, 0, sizeof(uint32_t));
+    if (err != cudaSuccess)
+      throw std::runtime_error(std::string("cudaMemset(timing): ") + cudaGetErrorString(err));
   });
   // The stamps of the samples since set_timing(true), oldest first, kTimingSlots each (ns of
-  // %globaltimer). Waits for the device first: samples may still be queued.
+  // %globaltimer): the ring's rows, then the current row (the last sample, not yet filed).
+  // Waits for the device first: samples may still be queued.
   m.def("read_timings", [](int64_t id) {
     auto h = handle(id);
     sync_device();
     std::lock_guard<std::mutex> lock(h->mutex);
-    if (h->timing_samples > jmc::kTimingSamples)
-      throw std::runtime_error(std::to_string(h->timing_samples) + " samples since "
-                               "set_timing(true), but the handle keeps the stamps of " +
+    uint32_t opened = 0;
+    const cudaError_t err = cudaMemcpy(&opened, &h->scratch.state->timing_opened,
+                                       sizeof(opened), cudaMemcpyDeviceToHost);
+    if (err != cudaSuccess)
+      throw std::runtime_error(std::string("cudaMemcpy(timing): ") + cudaGetErrorString(err));
+    if (opened > jmc::kTimingSamples)
+      throw std::runtime_error(std::to_string(opened) + " samples since set_timing(true), but "
+                               "the handle keeps the stamps of " +
                                std::to_string(jmc::kTimingSamples));
-    const std::vector<uint64_t> flat =
-        read_u64(h->timings, static_cast<int>(h->timing_samples * jmc::kTimingSlots));
     std::vector<std::vector<uint64_t>> samples;
-    for (size_t i = 0; i < flat.size(); i += jmc::kTimingSlots)
-      samples.emplace_back(flat.begin() + i, flat.begin() + i + jmc::kTimingSlots);
+    if (opened == 0) return samples;
+    const std::vector<uint64_t> ring =
+        read_u64(h->timings, static_cast<int>((opened - 1) * jmc::kTimingSlots));
+    for (size_t i = 0; i < ring.size(); i += jmc::kTimingSlots)
+      samples.emplace_back(ring.begin() + i, ring.begin() + i + jmc::kTimingSlots);
+    samples.push_back(read_u64(h->current_timings(), jmc::kTimingSlots));
     return samples;
+  });
+  // How many times a handler of this handle ran (tests: XLA replaying a command buffer runs
+  // none of ours).
+  m.def("handler_calls", [](int64_t id) {
+    auto h = handle(id);
+    std::lock_guard<std::mutex> lock(h->mutex);
+    return h->handler_calls;
   });
   m.def("read_dense_timings", [](int64_t id) {
     auto h = jmc::find_dense_handle(id);

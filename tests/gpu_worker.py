@@ -9,6 +9,7 @@ case failed on any rank.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -73,6 +74,29 @@ def main() -> int:
             for i in range(args.steps):
                 T.run_and_check(a2a, mesh, T.make_inputs(tiny, 7919 * i + 1), step=step)
             a2a.check()
+
+    @suite.case(f"EP{WORLD}-command-buffer-replay")
+    def graph_replay():
+        # Our handlers carry the command-buffer trait: XLA records their launches once into a
+        # CUDA graph and replays it, so nothing per call may live on the host. Twenty calls
+        # enqueued back to back, each checked against the oracle; with command buffers on the
+        # handlers must not have run per call (else the trait did not reach XLA).
+        cmdbuf_off = "--xla_gpu_enable_command_buffer= " in os.environ.get("XLA_FLAGS", "") + " "
+        with AllToAll(tiny, backend="nvshmem") as a2a:
+            step, inp = T.make_step(a2a, mesh), T.make_inputs(tiny, 4242, "skewed")
+            args = T.global_inputs(tiny, mesh, inp)
+            jax.block_until_ready(step(*args))  # compiled (and recorded) here
+            before = a2a.backend.handler_calls()
+            outs = [step(*args) for _ in range(20)]
+            for out in outs:
+                T.run_and_check(a2a, mesh, inp, step=lambda *_, out=out: out)
+            a2a.check()
+            ran = a2a.backend.handler_calls() - before
+            if cmdbuf_off:
+                assert ran == 2 * len(outs), f"{ran} handler runs for {len(outs)} calls"
+            else:
+                assert ran < len(outs), f"{ran} handler runs for {len(outs)} calls: not replayed"
+            return f"{ran} handler runs for {len(outs)} calls"
 
     @suite.case(f"EP{WORLD}-two-handles")
     def two_handles():

@@ -14,15 +14,13 @@ namespace jmc {
 namespace {
 
 // Only between whole cycles: the barrier shares no counters with dispatch/combine. With timing
-// on, each barrier opens the next sample's stamps.
+// on, each barrier opens the next sample's stamps (kernels/barrier.cu).
 ffi::Error Barrier(cudaStream_t stream, int64_t handle, ffi::AnyBuffer dep,
                    ffi::Result<ffi::AnyBuffer> out) {
   Call h;
   JMC_RETURN_IF_ERROR(begin(handle, Op::kBarrier, &h));
-  if (h->timing) ++h->timing_samples;
-  const BarrierParams p{h->common(), h->barrier_epoch + 1};
+  const BarrierParams p{h->common(), h->timings};
   JMC_RETURN_IF_CUDA_ERROR(launch_barrier(p, h->dependent_launch, stream));
-  ++h->barrier_epoch;
   return ffi::Error::Success();
 }
 
@@ -62,7 +60,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBarrier, Barrier,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Attr<int64_t>("handle")
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>(),
+                              JMC_GRAPH_SAFE);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kDenseAllToAll, DenseAllToAll,
                               ffi::Ffi::Bind()

@@ -1,5 +1,5 @@
-// XLA FFI handlers of combine_send, combine_recv and the fused combine (host code only; see
-// dispatch.cc on why there is no command-buffer trait).
+// XLA FFI handlers of combine_send, combine_recv and the fused combine (host code only).
+// Graph-safe (ffi/handlers.h): XLA may record their launches once and replay them.
 #include <cuda_runtime.h>
 
 #include "core/check.h"
@@ -108,7 +108,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCombineSend, CombineSend,
                                   .Arg<ffi::AnyBuffer>()         // expert_y
                                   .Arg<ffi::Buffer<ffi::S32>>()  // expert_num_tokens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // row_source
-                                  .Ret<ffi::AnyBuffer>());       // ticket
+                                  .Ret<ffi::AnyBuffer>(),  // ticket
+                              JMC_GRAPH_SAFE);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCombineRecv, CombineRecv,
                               ffi::Ffi::Bind()
@@ -119,7 +120,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCombineRecv, CombineRecv,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // weights
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens
                                   .Ret<ffi::AnyBuffer>()         // y
-                                  .Ret<ffi::AnyBuffer>());       // slot_rows (0 bytes: none)
+                                  .Ret<ffi::AnyBuffer>(),  // slot_rows (0 bytes: none)
+                              JMC_GRAPH_SAFE);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCombine, Combine,
                               ffi::Ffi::Bind()
@@ -132,6 +134,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCombine, Combine,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // weights
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens
                                   .Ret<ffi::AnyBuffer>()         // y
-                                  .Ret<ffi::AnyBuffer>());       // slot_rows (0 bytes: none)
+                                  .Ret<ffi::AnyBuffer>(),  // slot_rows (0 bytes: none)
+                              JMC_GRAPH_SAFE);
 
 }  // namespace jmc

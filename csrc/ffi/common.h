@@ -55,6 +55,7 @@ inline xla::ffi::Error begin(int64_t id, Op op, Call* call) {
                                " (closed, or created in another order on this process)");
   call->lock = std::unique_lock<std::mutex>(call->handle->mutex);
   Handle& h = *call->handle;
+  ++h.handler_calls;
   if (h.closed) return protocol_error(op, id, "the handle is closed");
   if (!h.create_error.empty())
     return protocol_error(op, id, "its creation failed: " + h.create_error);

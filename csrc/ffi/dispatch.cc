@@ -1,7 +1,5 @@
 // XLA FFI handlers of dispatch_send, dispatch_recv and the fused dispatch (host code only).
-// No kCmdBufferCompatible trait: the handlers keep per-call host state (which half is in
-// flight, the error check), so XLA must call them on every execution instead of replaying a
-// captured graph.
+// Graph-safe (ffi/handlers.h): XLA may record their launches once and replay them.
 #include <cuda_runtime.h>
 
 #include "core/check.h"
@@ -127,7 +125,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kDispatchSend, DispatchSend,
                                   .Arg<ffi::Buffer<ffi::S32>>()    // indices
                                   .Arg<ffi::Buffer<ffi::F32>>()    // weights (0 cols: none)
                                   .Arg<ffi::Buffer<ffi::S32>>()    // num_tokens
-                                  .Ret<ffi::AnyBuffer>());         // ticket
+                                  .Ret<ffi::AnyBuffer>(),  // ticket
+                              JMC_GRAPH_SAFE);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kDispatchRecv, DispatchRecv,
                               ffi::Ffi::Bind()
@@ -138,7 +137,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kDispatchRecv, DispatchRecv,
                                   .Ret<ffi::AnyBuffer>()           // expert_x_scale
                                   .Ret<ffi::Buffer<ffi::S32>>()    // expert_num_tokens
                                   .Ret<ffi::Buffer<ffi::S32>>()    // row_source
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // expert_weights
+                                  .Ret<ffi::Buffer<ffi::F32>>(),  // expert_weights
+                              JMC_GRAPH_SAFE);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kDispatch, Dispatch,
                               ffi::Ffi::Bind()
@@ -153,6 +153,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kDispatch, Dispatch,
                                   .Ret<ffi::AnyBuffer>()           // expert_x_scale
                                   .Ret<ffi::Buffer<ffi::S32>>()    // expert_num_tokens
                                   .Ret<ffi::Buffer<ffi::S32>>()    // row_source
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // expert_weights
+                                  .Ret<ffi::Buffer<ffi::F32>>(),  // expert_weights
+                              JMC_GRAPH_SAFE);
 
 }  // namespace jmc

@@ -17,6 +17,7 @@ ffi::Error OrderAfter(ffi::RemainingArgs, ffi::RemainingRets) {
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kOrderAfter, OrderAfter,
-                              ffi::Ffi::Bind().RemainingArgs().RemainingRets());
+                              ffi::Ffi::Bind().RemainingArgs().RemainingRets(),
+                              JMC_GRAPH_SAFE);
 
 }  // namespace jmc

@@ -2,7 +2,10 @@
 //
 // 1. Symmetric memory: barrier_flag[p] on every rank; rank p SETs barrier_flag[p] = epoch on
 //    every peer, then waits (bounded, abort-aware) until barrier_flag[q] >= epoch for every q.
-// 2. epoch strictly increases per handle (host counter), so no reset is needed.
+// 2. epoch strictly increases per handle (DeviceState::barrier_epoch: kept on the device so a
+//    launch replayed from a CUDA graph counts too), so no reset is needed.
+// 3. With timing on, it opens a sample: the last sample's stamps (the current row) go into the
+//    ring, and the current row starts empty with this barrier's end.
 // timestamp: one thread writes %globaltimer (the dense all-to-all baseline's stamps).
 // blocks_per_sm: the occupancy of each all-to-all kernel, for sizing grids on the host.
 #include "core/launch.cuh"
@@ -17,20 +20,38 @@ int combine_recv_blocks_per_sm(int warps_per_block);
 
 namespace {
 
+// Files the current row as sample opened - 1 and clears it (threads < kTimingSlots).
+__device__ void open_sample(const BarrierParams& p, uint32_t opened) {
+  uint64_t* current = p.c.timings;
+  const int slot = threadIdx.x;
+  if (slot >= kTimingSlots) return;
+  if (opened > 0)
+    p.timing_ring[size_t((opened - 1) % kTimingSamples) * kTimingSlots + slot] = current[slot];
+  current[slot] = 0;
+}
+
 __global__ void barrier_kernel(const BarrierParams p) {
   wait_for_previous_kernels();
   const CommonParams& c = p.c;
+  DeviceState* state = c.scratch.state;
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&state->barrier_epoch) + 1;
+  const uint32_t opened = *reinterpret_cast<volatile uint32_t*>(&state->timing_opened);
+  if (c.timings != nullptr) open_sample(p, opened);
   const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
   for (int peer = threadIdx.x; peer < c.shape.world_size; peer += blockDim.x)
-    set_flag(&c.sym.barrier_flag[c.rank], p.epoch, peer);
+    set_flag(&c.sym.barrier_flag[c.rank], epoch, peer);
   for (int peer = threadIdx.x; peer < c.shape.world_size; peer += blockDim.x) {
     uint64_t seen = 0;
-    const Wait w = wait_ge(c, &c.sym.barrier_flag[peer], p.epoch, deadline, &seen);
-    check_wait(c, w, kPhaseBarrier, peer, -1, p.epoch, seen, kWhatNone);
+    const Wait w = wait_ge(c, &c.sym.barrier_flag[peer], epoch, deadline, &seen);
+    check_wait(c, w, kPhaseBarrier, peer, -1, epoch, seen, kWhatNone);
   }
-  if (c.timings != nullptr) {
-    __syncthreads();
-    if (threadIdx.x == 0) c.timings[kBarrierEndSlot] = globaltimer_ns();
+  __syncthreads();  // every thread has read the counters and filed its slot
+  if (threadIdx.x == 0) {
+    state->barrier_epoch = epoch;
+    if (c.timings != nullptr) {
+      state->timing_opened = opened + 1;
+      c.timings[kBarrierEndSlot] = globaltimer_ns();
+    }
   }
 }
 

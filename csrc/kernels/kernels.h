@@ -52,9 +52,13 @@ constexpr int kTimingSamples = 1024;
 
 // Per-handle state in ordinary device memory, owned by the kernels. Epochs count completed
 // launches of each kernel (the cycle number its flags carry); tickets elect the last block.
+// Nothing per call lives on the host: XLA may record a handler's launches once into a CUDA
+// graph (command buffers) and replay them, so a kernel argument never changes between calls.
 struct DeviceState {
   uint64_t epoch[kNumKernels];
   uint32_t ticket[kNumKernels];
+  uint64_t barrier_epoch;  // barriers completed on this handle
+  uint32_t timing_opened;  // samples opened (barriers with timing on) since set_timing(true)
 };
 
 // Per-call scratch in ordinary device memory, zero between calls (the kernels restore it).
@@ -69,7 +73,9 @@ struct CommonParams {
   SymmetricLayout sym;
   LocalScratch scratch;
   ErrorRecord* error;  // device view of the pinned record
-  uint64_t* timings;   // [kTimingSlots] this sample's %globaltimer stamps, or nullptr
+  // [kTimingSlots] %globaltimer stamps of the current sample, or nullptr (timing off when the
+  // handler ran). Always the same row: the next barrier files it into the ring.
+  uint64_t* timings;
   int rank;
   uint64_t timeout_ns;
 };
@@ -110,7 +116,7 @@ struct CombineRecvParams {
 
 struct BarrierParams {
   CommonParams c;
-  uint64_t epoch;  // strictly increasing per handle
+  uint64_t* timing_ring;  // [kTimingSamples][kTimingSlots]: finished samples' stamps
 };
 
 // Dynamic shared memory of the bodies that keep a prefix there (split and fused launches, and

@@ -174,8 +174,15 @@ class NvshmemBackend:
     # -- host side -------------------------------------------------------------------------
     def set_timing(self, on: bool) -> None:
         """Benchmarks: bracket every kernel with %globaltimer stamps (read_timings). Each
-        barrier() opens a sample; on=True starts counting samples from zero."""
+        barrier() opens a sample; on=True starts counting samples from zero. A call that XLA
+        recorded into a CUDA graph (command buffers) keeps the setting of its recording: turn
+        timing on before a compiled function's first call."""
         self._mod.set_timing(self.handle, bool(on))
+
+    def handler_calls(self) -> int:
+        """How many times one of this handle's FFI handlers ran on this process. Calls that XLA
+        replays from a command buffer (CUDA graph) run none."""
+        return int(self._mod.handler_calls(self.handle))
 
     def read_timings(self) -> list[list[int]]:
         """Per sample since set_timing(True), oldest first: ns stamps [start, end] of
