@@ -320,8 +320,23 @@ const char* what_name(uint32_t what) {
 
 const char* code_name(uint32_t code) {
   static const char* kCodes[] = {"Ok", "PeerTimeout", "InvalidRouting", "InvalidRouting",
-                                 "CorruptData", "PeerAborted"};
-  return code < 6 ? kCodes[code] : "Unknown";
+                                 "CorruptData", "PeerAborted", "ProtocolError"};
+  return code < 7 ? kCodes[code] : "Unknown";
+}
+
+// What a kOutOfOrder launch broke, by the phase it was refused in.
+std::string out_of_order_reason(uint32_t phase) {
+  switch (phase) {
+    case kPhaseDispatchSend:
+      return "a dispatch is already in flight (call dispatch_recv before the next "
+             "dispatch_send or dispatch)";
+    case kPhaseDispatchRecv: return "no dispatch_send before it";
+    case kPhaseCombineSend:
+      return "a combine is already in flight (call combine_recv before the next "
+             "combine_send or combine)";
+    case kPhaseCombineRecv: return "no combine_send before it";
+    default: return "a dispatch or combine is in flight";
+  }
 }
 
 }  // namespace
@@ -356,6 +371,10 @@ std::string describe_error(const ErrorRecord& rec, int rank) {
       return "PeerAborted: " + where + peer + " reported " + code_name(rec.expected) +
              " first, so this rank stopped waiting (see rank " + std::to_string(rec.peer) +
              "'s error)";
+    case kOutOfOrder:
+      return "ProtocolError: " + where + out_of_order_reason(rec.phase) + " (sends completed " +
+             std::to_string(rec.expected) + ", receives completed " + std::to_string(rec.seen) +
+             "); the launch did nothing";
     default:
       return "Unknown: " + where + "error code " + std::to_string(rec.code);
   }

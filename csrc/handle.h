@@ -35,11 +35,9 @@ struct Handle {
   uint64_t* timings = nullptr;
   std::string create_error;             // non-empty: this rank failed to create it
 
-  // Guarded by `mutex`, which a handler holds for its whole call (check, launch, commit).
+  // Guarded by `mutex`, which a handler holds for its whole call (check, launch).
   std::mutex mutex;
   bool closed = false;
-  bool dispatch_in_flight = false;  // dispatch_send launched, dispatch_recv not yet
-  bool combine_in_flight = false;   // combine_send launched, combine_recv not yet
   int64_t handler_calls = 0;  // handler executions (XLA replaying a graph runs none)
   // Benchmarks: the kernels write %globaltimer stamps. Read when a handler runs, so a call
   // XLA recorded into a CUDA graph keeps the setting it was recorded with.

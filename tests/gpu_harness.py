@@ -9,14 +9,23 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import time
 import traceback
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+# XLA records only runs of >= 5 commands as a command buffer (xla_gpu_graph_min_graph_size);
+# with 1 the small programs of the workers that import this before starting JAX are recorded,
+# as a model's whole decode step would be: every case then runs under CUDA graph replay (XLA's
+# default) or without it (the check's nocmdbuf stage turns command buffers off).
+if "xla_gpu_graph_min_graph_size" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_gpu_graph_min_graph_size=1").strip()
 
-from jax_moe_comm import MoEConfig, bootstrap
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jax_moe_comm import MoEConfig, bootstrap  # noqa: E402
 
 
 class Suite:

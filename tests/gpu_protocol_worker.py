@@ -303,8 +303,9 @@ def main() -> int:
             fn = jax.jit(jax.shard_map(combine_recv_alone, mesh=mesh, in_specs=(SPEC,) * 3,
                                        out_specs=SPEC))
             _, _, idx, w, nt = T.global_inputs(a2a.config, mesh, T.make_inputs(a2a.config, 9))
-            e = expect_error(lambda: jax.block_until_ready(fn(idx, w, nt)), (ProtocolError,),
-                             "combine_recv without combine_send")
+            # Refused by the kernel (core/protocol.cuh), reported by check().
+            e = expect_error(lambda: (jax.block_until_ready(fn(idx, w, nt)), a2a.check()),
+                             (ProtocolError, PeerAbortedError), "combine_recv without send")
             assert "ProtocolError" in str(e), str(e)
 
     if WORLD >= 2:

@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jax_moe_comm import (AllToAll, InvalidRoutingError, MoEConfig,  # noqa: E402
-                          PeerAbortedError, PeerTimeoutError, testing as T)
+                          PeerAbortedError, PeerTimeoutError, ProtocolError, testing as T)
 
 bf16, fp8, f32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
 suite = Suite(RANK)
@@ -159,11 +159,17 @@ def main() -> int:
                                        out_specs=spec))
             x, _, idx, _, nt = T.global_inputs(tiny, mesh, T.make_inputs(tiny, 9))
             jax.block_until_ready(fn(x, idx, nt))
+            a2a.check()  # one send in flight is fine
+            # The kernel refuses the second send (the order lives on the device, where a
+            # replayed command buffer is checked too) and reports it; a rank whose peer's
+            # abort word came first reports PeerAborted naming the ProtocolError.
             try:
                 jax.block_until_ready(fn(x, idx, nt))
+                a2a.check()
                 raise AssertionError("second dispatch_send in flight was not refused")
-            except Exception as e:  # noqa: BLE001 - XLA wraps the handler's error
+            except (ProtocolError, PeerAbortedError) as e:
                 assert "ProtocolError" in str(e), str(e)
+                assert "already in flight" in str(e) or "PeerAborted" in str(e), str(e)
             finally:
                 clear_runtime_tokens()
 

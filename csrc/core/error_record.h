@@ -15,6 +15,7 @@ enum ErrorCode : uint32_t {
   kBadNumTokens = 3,    // num_tokens outside [0, max_num_tokens]
   kCorruptData = 4,     // a value read from a peer or from routing is out of range (`what`)
   kPeerAborted = 5,     // a peer reported an error first (its abort word reached us)
+  kOutOfOrder = 6,      // a launch out of its half's order (recv before send, send twice)
 };
 
 enum Phase : uint32_t {

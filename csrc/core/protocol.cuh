@@ -57,14 +57,40 @@ __device__ __forceinline__ bool poisoned(const CommonParams& c) {
   return ld_relaxed_sys_u64(c.sym.abort_word) != 0;
 }
 
-// poisoned(), at a kernel's start: a rank that learns of a peer's error only here (it was
-// not waiting when the abort word came) records it, so that the host refuses its next call.
-__device__ __forceinline__ bool poisoned_at_start(const CommonParams& c, Phase phase) {
+// Launches of `kernel` completed on this handle (finish_launch advances it).
+__device__ __forceinline__ uint64_t launches_done(const CommonParams& c, KernelId kernel) {
+  return *reinterpret_cast<volatile uint64_t*>(&c.scratch.state->epoch[kernel]);
+}
+
+// Each half (dispatch, combine) is a channel: send, recv, send, ... A send needs every earlier
+// send received; a recv needs exactly one send not yet received. Checked here, from the device's
+// counts, and not by the handler: under XLA command buffers the handler runs once, when the
+// launch is recorded, and every later replay is this kernel alone.
+__device__ __forceinline__ bool launch_in_order(const CommonParams& c, KernelId kernel,
+                                                uint64_t* sent, uint64_t* received) {
+  const bool dispatch = kernel == kDispatchSendKernel || kernel == kDispatchRecvKernel;
+  const bool is_send = kernel == kDispatchSendKernel || kernel == kCombineSendKernel;
+  *sent = launches_done(c, dispatch ? kDispatchSendKernel : kCombineSendKernel);
+  *received = launches_done(c, dispatch ? kDispatchRecvKernel : kCombineRecvKernel);
+  return *sent - *received == (is_send ? 0u : 1u);
+}
+
+// At a kernel's start: true if it must do nothing. Either the handle is poisoned (a rank that
+// learns of a peer's error only here records it, so that check() and the host's next call
+// report it), or this launch is out of order (recorded as a ProtocolError and broadcast: the
+// cycle is broken for every rank).
+__device__ __forceinline__ bool refused_at_start(const CommonParams& c, KernelId kernel,
+                                                 Phase phase) {
+  const bool reporter = blockIdx.x == 0 && threadIdx.x == 0;
   const uint64_t word = ld_relaxed_sys_u64(c.sym.abort_word);
-  if (word == 0) return false;
-  if (blockIdx.x == 0 && threadIdx.x == 0 &&
-      *reinterpret_cast<volatile uint32_t*>(&c.error->claimed) == 0)
-    fail(c, kPeerAborted, phase, abort_rank(word), -1, abort_code(word), 0, kWhatNone);
+  if (word != 0) {
+    if (reporter && *reinterpret_cast<volatile uint32_t*>(&c.error->claimed) == 0)
+      fail(c, kPeerAborted, phase, abort_rank(word), -1, abort_code(word), 0, kWhatNone);
+    return true;
+  }
+  uint64_t sent = 0, received = 0;
+  if (launch_in_order(c, kernel, &sent, &received)) return false;
+  if (reporter) fail(c, kOutOfOrder, phase, -1, -1, sent, received, kWhatNone);
   return true;
 }
 
@@ -129,7 +155,7 @@ __device__ __forceinline__ bool warp_wait_ge(const CommonParams& c, const uint64
 // The epoch this launch works on: one more than the launches completed before it. Every block
 // reads it at its start; only the last block to finish advances it (finish_launch).
 __device__ __forceinline__ uint64_t launch_epoch(const CommonParams& c, KernelId kernel) {
-  return *reinterpret_cast<volatile uint64_t*>(&c.scratch.state->epoch[kernel]) + 1;
+  return launches_done(c, kernel) + 1;
 }
 
 __device__ __forceinline__ void stamp_start(const CommonParams& c, KernelId kernel) {

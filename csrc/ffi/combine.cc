@@ -57,7 +57,6 @@ ffi::Error CombineSend(cudaStream_t stream, int64_t handle, ffi::AnyBuffer exper
   CombineSendParams p;
   JMC_RETURN_IF_ERROR(send_params(h, expert_y, expert_num_tokens, row_source, &p));
   JMC_RETURN_IF_CUDA_ERROR(launch_combine_send(p, h->launch[kCombineSendKernel], stream));
-  commit(h, Op::kCombineSend);
   return ffi::Error::Success();
 }
 
@@ -70,7 +69,6 @@ ffi::Error CombineRecv(cudaStream_t stream, int64_t handle, ffi::AnyBuffer ticke
   CombineRecvParams p;
   JMC_RETURN_IF_ERROR(recv_params(h, indices, weights, num_tokens, y, slot_rows, &p));
   JMC_RETURN_IF_CUDA_ERROR(launch_combine_recv(p, h->launch[kCombineRecvKernel], stream));
-  commit(h, Op::kCombineRecv);
   return ffi::Error::Success();
 }
 
@@ -91,11 +89,8 @@ ffi::Error Combine(cudaStream_t stream, int64_t handle, ffi::AnyBuffer expert_y,
     JMC_RETURN_IF_CUDA_ERROR(launch_combine(send, recv, fused, stream));
   } else {  // too much work for one block: the split kernels back to back (handle.cc)
     JMC_RETURN_IF_CUDA_ERROR(launch_combine_send(send, h->launch[kCombineSendKernel], stream));
-    commit(h, Op::kCombineSend);  // launched: if the recv launch fails, the state says so
     JMC_RETURN_IF_CUDA_ERROR(launch_combine_recv(recv, h->launch[kCombineRecvKernel], stream));
-    commit(h, Op::kCombineRecv);
   }
-  commit(h, Op::kCombine);
   return ffi::Error::Success();
 }
 

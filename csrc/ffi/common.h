@@ -1,5 +1,7 @@
-// What every handler does first and last: find the handle and hold its lock, refuse a poisoned
-// one, check which half is in flight; after a successful launch, commit the new state.
+// What every handler does first: find the handle and hold its lock, refuse a closed or poisoned
+// one. No per-call state lives here: XLA may record a handler's launches into a command buffer
+// once and replay them without calling it again, so the kernels keep the protocol's state and
+// check its order on the device (core/protocol.cuh: refused_at_start).
 #pragma once
 
 #include <memory>
@@ -43,9 +45,9 @@ inline xla::ffi::Error protocol_error(Op op, int64_t id, const std::string& why)
                              std::to_string(id) + ": " + why);
 }
 
-// Looks up `id`, refuses it if the kernels recorded an error (read from pinned memory, no
-// sync: the kernels of a poisoned handle do nothing, so refusing at any stage is safe) or if
-// `op` is out of order. Each half (dispatch, combine) is its own channel: send, then recv.
+// Looks up `id`, refuses it if closed or if the kernels recorded an error (read from pinned
+// memory, no sync: the kernels of a poisoned handle do nothing, so refusing at any stage is
+// safe). `op` names the caller in messages.
 inline xla::ffi::Error begin(int64_t id, Op op, Call* call) {
   call->handle = find_handle(id);
   if (call->handle == nullptr)
@@ -64,46 +66,7 @@ inline xla::ffi::Error begin(int64_t id, Op op, Call* call) {
     return xla::ffi::Error(xla::ffi::ErrorCode::kAborted,
                            recorded + " (handle " + std::to_string(id) +
                                " is unusable: close it and create a new AllToAll)");
-  switch (op) {
-    case Op::kDispatchSend:
-    case Op::kDispatch:
-      if (h.dispatch_in_flight)
-        return protocol_error(op, id, "a dispatch is already in flight (call dispatch_recv "
-                                      "before the next dispatch_send or dispatch)");
-      break;
-    case Op::kDispatchRecv:
-      if (!h.dispatch_in_flight)
-        return protocol_error(op, id, "no dispatch_send before it");
-      break;
-    case Op::kCombineSend:
-    case Op::kCombine:
-      if (h.combine_in_flight)
-        return protocol_error(op, id, "a combine is already in flight (call combine_recv "
-                                      "before the next combine_send or combine)");
-      break;
-    case Op::kCombineRecv:
-      if (!h.combine_in_flight) return protocol_error(op, id, "no combine_send before it");
-      break;
-    case Op::kBarrier:
-      if (h.dispatch_in_flight || h.combine_in_flight)
-        return protocol_error(op, id, "a dispatch or combine is in flight");
-      break;
-  }
   return xla::ffi::Error::Success();
-}
-
-// After the launch succeeded: the half's new state.
-inline void commit(Call& call, Op op) {
-  Handle& h = *call.handle;
-  switch (op) {
-    case Op::kDispatchSend: h.dispatch_in_flight = true; break;
-    case Op::kDispatchRecv: h.dispatch_in_flight = false; break;
-    case Op::kCombineSend: h.combine_in_flight = true; break;
-    case Op::kCombineRecv: h.combine_in_flight = false; break;
-    case Op::kDispatch:
-    case Op::kCombine:
-    case Op::kBarrier: break;
-  }
 }
 
 inline xla::ffi::Error check_bytes(const char* name, size_t got, size_t want) {

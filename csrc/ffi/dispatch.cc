@@ -64,7 +64,6 @@ ffi::Error DispatchSend(cudaStream_t stream, int64_t handle, ffi::AnyBuffer x,
   DispatchSendParams p;
   JMC_RETURN_IF_ERROR(send_params(h, x, x_scale, indices, weights, num_tokens, &p));
   JMC_RETURN_IF_CUDA_ERROR(launch_dispatch_send(p, h->launch[kDispatchSendKernel], stream));
-  commit(h, Op::kDispatchSend);
   return ffi::Error::Success();
 }
 
@@ -80,7 +79,6 @@ ffi::Error DispatchRecv(cudaStream_t stream, int64_t handle, ffi::AnyBuffer tick
   JMC_RETURN_IF_ERROR(recv_params(h, expert_x, expert_x_scale, expert_num_tokens, row_source,
                                   expert_weights, &p));
   JMC_RETURN_IF_CUDA_ERROR(launch_dispatch_recv(p, h->launch[kDispatchRecvKernel], stream));
-  commit(h, Op::kDispatchRecv);
   return ffi::Error::Success();
 }
 
@@ -106,11 +104,8 @@ ffi::Error Dispatch(cudaStream_t stream, int64_t handle, ffi::AnyBuffer x,
     JMC_RETURN_IF_CUDA_ERROR(launch_dispatch(send, recv, fused, stream));
   } else {  // too much work for one block: the split kernels back to back (handle.cc)
     JMC_RETURN_IF_CUDA_ERROR(launch_dispatch_send(send, h->launch[kDispatchSendKernel], stream));
-    commit(h, Op::kDispatchSend);  // launched: if the recv launch fails, the state says so
     JMC_RETURN_IF_CUDA_ERROR(launch_dispatch_recv(recv, h->launch[kDispatchRecvKernel], stream));
-    commit(h, Op::kDispatchRecv);
   }
-  commit(h, Op::kDispatch);
   return ffi::Error::Success();
 }
 

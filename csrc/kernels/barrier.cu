@@ -4,7 +4,9 @@
 //    every peer, then waits (bounded, abort-aware) until barrier_flag[q] >= epoch for every q.
 // 2. epoch strictly increases per handle (DeviceState::barrier_epoch: kept on the device so a
 //    launch replayed from a CUDA graph counts too), so no reset is needed.
-// 3. With timing on, it opens a sample: the last sample's stamps (the current row) go into the
+// 3. A barrier with a dispatch or combine in flight is a ProtocolError (checked here, not by the
+//    handler, which a replayed command buffer does not run).
+// 4. With timing on, it opens a sample: the last sample's stamps (the current row) go into the
 //    ring, and the current row starts empty with this barrier's end.
 // timestamp: one thread writes %globaltimer (the dense all-to-all baseline's stamps).
 // blocks_per_sm: the occupancy of each all-to-all kernel, for sizing grids on the host.
@@ -38,6 +40,10 @@ __global__ void barrier_kernel(const BarrierParams p) {
   const uint32_t opened = *reinterpret_cast<volatile uint32_t*>(&state->timing_opened);
   if (c.timings != nullptr) open_sample(p, opened);
   const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
+  uint64_t sent = 0, received = 0;
+  if (threadIdx.x == 0 && !(launch_in_order(c, kDispatchSendKernel, &sent, &received) &&
+                            launch_in_order(c, kCombineSendKernel, &sent, &received)))
+    fail(c, kOutOfOrder, kPhaseBarrier, -1, -1, sent, received, kWhatNone);  // waits then abort
   for (int peer = threadIdx.x; peer < c.shape.world_size; peer += blockDim.x)
     set_flag(&c.sym.barrier_flag[c.rank], epoch, peer);
   for (int peer = threadIdx.x; peer < c.shape.world_size; peer += blockDim.x) {

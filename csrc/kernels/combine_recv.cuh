@@ -103,7 +103,7 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
   const int max_parts = (chunks + kWarpSize - 1) / kWarpSize;
   const int parts = max(1, min(max_parts, w.total / max(num_tokens, 1)));
   const int part_chunks = (chunks + parts - 1) / parts;
-  bool healthy = !poisoned_at_start(c, kPhaseCombineRecv);
+  bool healthy = !refused_at_start(c, kCombineRecvKernel, kPhaseCombineRecv);
 
   for (int i = w.warp; i < s.max_num_tokens * parts; i += w.total) {
     const int t = i / parts, part = i % parts;

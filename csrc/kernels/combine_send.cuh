@@ -41,7 +41,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
   const int G = s.num_dp_groups(), dp = s.dp_size;
 
   // Step 1: every home rank has read our previous cycle's rows.
-  bool ok = !poisoned_at_start(c, kPhaseCombineSend);
+  bool ok = !refused_at_start(c, kCombineSendKernel, kPhaseCombineSend);
   if (ok && threadIdx.x < kWarpSize) {
     for (int h = w.lane; h < s.world_size; h += kWarpSize) {
       uint64_t seen = 0;

@@ -38,7 +38,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
 
   // Step 1: how many records will each group send this cycle?
   extern __shared__ uint32_t first_record[];  // [G + 1] prefix of the groups' record counts
-  bool ok = !poisoned_at_start(c, kPhaseDispatchRecv);
+  bool ok = !refused_at_start(c, kDispatchRecvKernel, kPhaseDispatchRecv);
   for (int g = threadIdx.x; g < G; g += blockDim.x) {
     uint32_t n = 0;
     if (ok) {

@@ -66,7 +66,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) 
   const int my_group = c.rank / dp, my_member = c.rank % dp;
 
   int num_tokens = *p.num_tokens;
-  bool ok = !poisoned_at_start(c, kPhaseDispatchSend);
+  bool ok = !refused_at_start(c, kDispatchSendKernel, kPhaseDispatchSend);
   if (ok && (num_tokens < 0 || num_tokens > s.max_num_tokens)) {
     if (blockIdx.x == 0 && threadIdx.x == 0)
       fail(c, kBadNumTokens, kPhaseDispatchSend, -1, -1, s.max_num_tokens,

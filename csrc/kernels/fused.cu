@@ -27,6 +27,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, 1)
     dispatch_kernel(const DispatchSendParams send, const DispatchRecvParams recv) {
   wait_for_previous_kernels();
   dispatch_send_body(send);
+  __syncthreads();  // thread 0 closed the send launch: the recv body's order check reads it
   dispatch_recv_body(recv);
 }
 
@@ -35,6 +36,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, 1)
     combine_kernel(const CombineSendParams send, const CombineRecvParams recv) {
   wait_for_previous_kernels();
   combine_send_body(send);
+  __syncthreads();  // thread 0 closed the send launch: the recv body's order check reads it
   combine_recv_body<T>(recv);
 }
 

@@ -36,7 +36,8 @@ def result_type(like, shape, dtype):
 
 
 _ERROR_KINDS = {"PeerTimeout": PeerTimeoutError, "InvalidRouting": InvalidRoutingError,
-                "PeerAborted": PeerAbortedError, "CorruptData": CorruptDataError}
+                "PeerAborted": PeerAbortedError, "CorruptData": CorruptDataError,
+                "ProtocolError": ProtocolError}
 
 
 def raise_recorded(message: str) -> None:
