@@ -3,7 +3,8 @@ commit of ours, pplx-kernels from shared/peer), all from one device call.
 
     python benchmarks/compare.py OUT.md ours.json [label=]other.json ...
 
-Rows are matched on (config, tokens_per_rank, dispatch_dtype); each file contributes its
+Also writes OUT.png (with matplotlib): total µs against tokens per rank, one panel per config,
+one line per file's main method. Rows are matched on (config, tokens_per_rank, dispatch_dtype); each file contributes its
 dispatch-combine method's total (the slowest rank per sample, median) and its per-half medians.
 """
 
@@ -71,7 +72,36 @@ def main(argv) -> int:
     with open(out, "w") as f:
         f.write("\n".join(sources + [""] + lines) + "\n")
     print("\n".join(lines))
+    plot(out.rsplit(".", 1)[0] + ".png", [r for r in runs if " " not in r[0]])
     return 0
+
+
+def plot(path: str, runs) -> None:
+    """Total µs against tokens per rank, fp8 rows, one panel per config, one line per run."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    configs = sorted({k[0] for _, _, rows in runs for k in rows}, key=lambda c: c != "V2Lite")
+    fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4), squeeze=False)
+    for ax, config in zip(axes[0], configs):
+        for label, run, rows in runs:
+            pts = sorted((k[1], r["total_us"]) for k, r in rows.items()
+                         if k[0] == config and k[2] == "fp8" and "total_us" in r)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{label} ({run.get('commit', '')[:7]})")
+        ax.set(title=f"{config}, fp8 dispatch + bf16 combine", xlabel="tokens per rank",
+               ylabel="dispatch + combine (µs)", xscale="log", yscale="log")
+        ax.legend(fontsize=8)
+    gpu = runs[0][1].get("gpu", "")
+    fig.suptitle(f"{runs[0][1].get('world', '')} ranks, {gpu}; each sample the slowest rank, "
+                 "medians", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

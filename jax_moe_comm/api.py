@@ -270,7 +270,11 @@ class AllToAll:
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
-        """Free the symmetric buffers. Collective: every process closes its handle."""
+        """Free the symmetric buffers. Collective: every process closes its handle.
+
+        Call no jitted function that uses this handle after close(). Without XLA command
+        buffers its ops refuse a closed handle; with them (XLA's default on GPU) a compiled
+        step may replay its recorded launches without asking the handle, on freed memory."""
         if not self._closed:
             for b in self._backends:
                 b.close()
@@ -296,8 +300,11 @@ class AllToAll:
     def check(self) -> None:
         """Wait for the device, then raise the first error recorded since the last check():
         InvalidRoutingError (bad expert index or num_tokens of a live row; the slot was
-        skipped) or PeerTimeoutError (also for the backward handles of a differentiable
-        handle)."""
+        skipped), PeerTimeoutError, PeerAbortedError (a peer failed first), CorruptDataError,
+        or ProtocolError (a half's send and recv out of order); also for the backward handles
+        of a differentiable handle. Under XLA command buffers a replayed step runs no handler
+        code, so its errors reach the host only here: a decode loop should call check() every
+        few steps."""
         for b in self._backends:
             check = getattr(b, "check", None)
             if check is not None:

@@ -205,3 +205,17 @@ def test_token_replicas_is_the_clear_name_and_dp_size_an_alias():
         MoEConfig(**BASE, dp_size=2, token_replicas=4)
     assert "tokens *per rank*" in MoEConfig.__doc__
     assert "token_replicas" in MoEConfig.__doc__ and "dp_size" in MoEConfig.__doc__
+
+
+# The kernels' error records reach Python as the class their kind names (csrc/handle.cc writes
+# "Kind: rank r in phase: ..."); a ProtocolError is how a replayed command buffer reports a
+# send/recv out of order (the handler that used to refuse it does not run under replay).
+@pytest.mark.parametrize("kind, cls", [
+    ("PeerTimeout", jmc.PeerTimeoutError), ("InvalidRouting", InvalidRoutingError),
+    ("PeerAborted", jmc.PeerAbortedError), ("CorruptData", jmc.CorruptDataError),
+    ("ProtocolError", ProtocolError)])
+def test_recorded_error_kind_is_its_class(kind, cls):
+    from jax_moe_comm.backends.nvshmem import raise_recorded
+    with pytest.raises(cls, match=f"^{kind}: rank 3 in dispatch_recv"):
+        raise_recorded(f"{kind}: rank 3 in dispatch_recv: what happened")
+    raise_recorded("")  # no error recorded: nothing raised
