@@ -4,8 +4,9 @@ commit of ours, pplx-kernels from shared/peer), all from one device call.
     python benchmarks/compare.py OUT.md ours.json [label=]other.json ...
 
 Also writes OUT.png (with matplotlib): total µs against tokens per rank, one panel per config,
-one line per file's main method. Rows are matched on (config, tokens_per_rank, dispatch_dtype); each file contributes its
-dispatch-combine method's total (the slowest rank per sample, median) and its per-half medians.
+one line per file's main method. Rows are matched on (config, tokens_per_rank, dispatch_dtype);
+each file contributes its dispatch-combine method's total (the slowest rank per sample, median)
+and its per-half medians.
 """
 
 from __future__ import annotations
