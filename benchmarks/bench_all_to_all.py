@@ -32,7 +32,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -45,13 +44,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jax_moe_comm import (AllToAll, KernelTuning, MoEConfig, bootstrap, native,  # noqa: E402
+from jax_moe_comm import (AllToAll, KernelTuning, MoEConfig, native,  # noqa: E402
                           order_after, testing as T)
 from jax_moe_comm.backends.nvshmem import DenseAllToAll  # noqa: E402
+from bench_common import CONFIGS, git_commit, kv_gather, measure_host_call_us  # noqa: E402
 from timeline import BARRIER_END, format_timeline, phase_timeline  # noqa: E402  (benchmarks/)
-
-CONFIGS = {"V2Lite": (64, 6, 2048), "R1": (256, 8, 7168)}
-
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -64,11 +61,6 @@ class Case:
         dt = jnp.float8_e4m3fn if self.dtype == "fp8" else jnp.bfloat16
         return MoEConfig(num_experts=E, experts_per_token=k, hidden=H,
                          max_num_tokens=self.tokens, world_size=WORLD, dispatch_dtype=dt)
-
-
-def kv_gather(tag: str, payload) -> list:
-    """Every rank's JSON payload, in rank order, through JAX's key-value store."""
-    return [json.loads(v) for v in bootstrap.all_gather(f"bench:{tag}", json.dumps(payload))]
 
 
 def wire_bytes(cfg: MoEConfig, inp: T.Inputs) -> tuple[int, int, int, int]:
@@ -98,24 +90,6 @@ def measure_copy_bandwidth(mod) -> float:
     dt = (time.perf_counter() - t0) / reps
     rates = kv_gather("copy_bw", 2 * x.nbytes / dt)
     return float(np.median(rates))
-
-
-def measure_host_call_us(mesh, per_rank=lambda v: v + 1, tag: str = "trivial") -> float:
-    """The host's time per call of a jitted shard_map of `per_rank` (default a trivial add) on
-    an int32 [1] per rank, enqueued back to back: what any jitted step costs the host before its
-    own work (slowest rank)."""
-    spec = P("ep")
-    fn = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=spec, out_specs=spec))
-    x = jax.make_array_from_callback((WORLD,), jax.sharding.NamedSharding(mesh, spec),
-                                     lambda idx: np.zeros((1,), np.int32))
-    jax.block_until_ready(fn(x))
-    reps = 200
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        x = fn(x)
-    host_us = (time.perf_counter() - t0) / reps * 1e6
-    jax.block_until_ready(x)
-    return max(kv_gather(f"host_call:{tag}", host_us))
 
 
 def stats(samples_us):
@@ -244,8 +218,8 @@ def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_bloc
             synced, _ = timed_samples(step, pipelined=False)
             results["host_synced"] = [per_kernel_us(ts) for ts in synced]
     if not split:  # the main row's: one custom call of ours alone, beside the trivial call
-        results["host_us_per_barrier_call"] = measure_host_call_us(mesh, backend.barrier,
-                                                                   f"barrier:{case}")
+        results["host_us_per_barrier_call"] = measure_host_call_us(
+            mesh, WORLD, backend.barrier, f"barrier:{case}")
     a2a.check()
     a2a.close()
     return cfg, inp, results
@@ -289,17 +263,6 @@ def time_dense(cfg: MoEConfig, samples: int, warmup: int, mesh, rows_per_pair: i
     return out
 
 
-def git_commit() -> str:
-    env = os.environ.get("GIT_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--configs", default="V2Lite,R1")
@@ -341,7 +304,7 @@ def main() -> int:
         f"this process sees: {getattr(jax.devices()[0], 'core_count', '?')} "
         f"(MPS share {os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE', 'none')} %)")
 
-    host_call_us = measure_host_call_us(mesh)
+    host_call_us = measure_host_call_us(mesh, WORLD)
     say(f"host time per call of a trivial jitted step: {host_call_us:.0f} us (slowest rank)")
 
     cases = [Case(c, t, d) for c in args.configs.split(",") for d in args.dtypes.split(",")

@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include "bootstrap.h"
+#include "ffi/event.h"
 #include "ffi/handlers.h"
 #include "handle.h"
 
@@ -191,6 +192,13 @@ NB_MODULE(_native, m) {
     raise_if(jmc::create_dense_handle(world, chunk_bytes, &id));
     return id;
   });
+  // Microseconds between the last records of two event slots (jmc_record_event); waits.
+  m.def("event_elapsed_us", [](int from, int to) {
+    std::string error;
+    const float ms = jmc::event_elapsed_ms(from, to, &error);
+    raise_if(error);
+    return 1e3 * static_cast<double>(ms);
+  });
   m.def("destroy_dense_handle", [](int64_t id) { raise_if(jmc::destroy_dense_handle(id)); });
 
   nb::dict targets;
@@ -203,5 +211,6 @@ NB_MODULE(_native, m) {
   targets["jmc_barrier"] = handler_capsule(jmc::kBarrier);
   targets["jmc_dense_all_to_all"] = handler_capsule(jmc::kDenseAllToAll);
   targets["jmc_order_after"] = handler_capsule(jmc::kOrderAfter);
+  targets["jmc_record_event"] = handler_capsule(jmc::kRecordEvent);
   m.attr("ffi_targets") = targets;
 }

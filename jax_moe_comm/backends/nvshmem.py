@@ -214,6 +214,21 @@ class NvshmemBackend:
         return int(self._mod.symmetric_bytes(self.handle))
 
 
+def record_event(dep, slot: int):
+    """Benchmarks: cudaEventRecord into event `slot` on XLA's stream once `dep` exists; returns a
+    ticket to order later work after it (`order_after`). Kept out of XLA's command buffers, so
+    the event is recorded at every execution (csrc/ffi/event.cc). `event_elapsed_us` reads it."""
+    bootstrap.init()
+    native.register_targets()
+    return ffi_call.call("jmc_record_event", result_type(dep, (1,), jnp.int32), dep,
+                         side_effect=True, slot=np.int64(slot))
+
+
+def event_elapsed_us(start_slot: int, end_slot: int) -> float:
+    """Microseconds from event `start_slot` to `end_slot` as last recorded (waits for the end)."""
+    return float(native.module().event_elapsed_us(int(start_slot), int(end_slot)))
+
+
 class DenseAllToAll:
     """Benchmark baseline: nvshmemx_alltoallmem_on_stream of world x chunk_bytes per rank."""
 
@@ -236,4 +251,5 @@ class DenseAllToAll:
         self._mod.destroy_dense_handle(self.handle)
 
 
-__all__ = ["NvshmemBackend", "DenseAllToAll", "ProtocolError"]
+__all__ = ["NvshmemBackend", "DenseAllToAll", "ProtocolError", "record_event",
+           "event_elapsed_us"]

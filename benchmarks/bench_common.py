@@ -1,0 +1,54 @@
+"""What the benchmarks share: the configs, gathering every rank's results, the host's cost of a
+trivial jitted call, and the commit a run names. Import after jax_moe_comm.distributed has
+initialized (the gathers go through JAX's key-value store)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jax_moe_comm import bootstrap
+
+CONFIGS = {"V2Lite": (64, 6, 2048), "R1": (256, 8, 7168)}  # (experts, k, hidden)
+
+
+def kv_gather(tag: str, payload) -> list:
+    """Every rank's JSON payload, in rank order, through JAX's key-value store."""
+    return [json.loads(v) for v in bootstrap.all_gather(f"bench:{tag}", json.dumps(payload))]
+
+
+def measure_host_call_us(mesh, world: int, per_rank=lambda v: v + 1,
+                         tag: str = "trivial") -> float:
+    """The host's time per call of a jitted shard_map of `per_rank` (default a trivial add) on
+    an int32 [1] per rank, enqueued back to back: what any jitted step costs the host before its
+    own work (slowest rank)."""
+    spec = P("ep")
+    fn = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=spec, out_specs=spec))
+    x = jax.make_array_from_callback((world,), jax.sharding.NamedSharding(mesh, spec),
+                                     lambda idx: np.zeros((1,), np.int32))
+    jax.block_until_ready(fn(x))
+    reps = 200
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        x = fn(x)
+    host_us = (time.perf_counter() - t0) / reps * 1e6
+    jax.block_until_ready(x)
+    return max(kv_gather(f"host_call:{tag}", host_us))
+
+
+def git_commit() -> str:
+    """GIT_COMMIT if set (on the GPU machine `git rev-parse` can name a stale commit), else git's."""
+    env = os.environ.get("GIT_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
