@@ -210,6 +210,8 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
   if (h->symmetric != nullptr) {
     h->symmetric_bytes = bytes;
     h->sym = SymmetricLayout::carve(shape, staged, h->symmetric, &bytes);
+    for (int pe = 0; pe < std::min(shape.world_size, kMaxPeerTable); ++pe)
+      h->peers.base[pe] = static_cast<uint8_t*>(nvshmem_ptr(h->symmetric, pe));
     const cudaError_t err = cudaMemset(h->symmetric, 0, h->sym.flag_bytes());
     if (err != cudaSuccess && error.empty()) error = cuda_failure(err, "cudaMemset(flags)");
   }

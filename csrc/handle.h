@@ -26,6 +26,7 @@ struct Handle {
   void* symmetric = nullptr;  // one nvshmem_malloc
   size_t symmetric_bytes = 0;
   SymmetricLayout sym{};
+  PeerTable peers{};  // nvshmem_ptr(symmetric, pe) for pe < kMaxPeerTable (layout.h)
   void* scratch_memory = nullptr;  // cudaMalloc: DeviceState + send_count + expert_fill
   LocalScratch scratch{};
   ErrorRecord* error_host = nullptr;    // pinned, mapped
@@ -45,7 +46,7 @@ struct Handle {
 
   uint64_t* current_timings() const { return timings + size_t{kTimingSamples} * kTimingSlots; }
   CommonParams common() const {
-    return CommonParams{shape, sym, scratch, error_device,
+    return CommonParams{shape, sym, peers, scratch, error_device,
                         timing ? current_timings() : nullptr, rank, timeout_ns};
   }
 };

@@ -151,6 +151,17 @@ struct SymmetricLayout {
   size_t flag_bytes_ = 0;
 };
 
+// Where each peer's copy of a handle's symmetric buffer appears in this process: nvshmem_ptr of
+// the buffer's base, read once at creation (nullptr: not reachable by load/store). A kernel
+// turns a local symmetric pointer into a peer's with one add from its parameters (constant
+// bank), where the device-side nvshmem_ptr is a global load per call, missed in L1 after every
+// acquire (which invalidates it): a dependent ~0.3-0.5 us before each store to a peer.
+// Peers from kMaxPeerTable on use nvshmem_ptr (only a node's peers are reachable anyway).
+constexpr int kMaxPeerTable = 64;
+struct PeerTable {
+  uint8_t* base[kMaxPeerTable];
+};
+
 // Where an expert row came from, packed into one int32 of row_source: (group, token, slot).
 __host__ __device__ inline int32_t pack_source(int group, int token, int slot, int max_m,
                                                int k) {

@@ -12,6 +12,19 @@ namespace jmc {
 
 constexpr int kWarpSize = 32;
 
+// `local` (a pointer into this rank's symmetric buffer) as mapped from peer `pe`'s copy, or
+// nullptr if `pe` is not reachable by load/store. From the handle's peer table (layout.h: one
+// add, no global load), nvshmem_ptr for peers past it.
+template <typename T>
+__device__ __forceinline__ T* peer_ptr(const CommonParams& c, T* local, int pe) {
+  if (pe >= kMaxPeerTable) return static_cast<T*>(nvshmem_ptr(local, pe));
+  uint8_t* base = c.peers.base[pe];
+  if (base == nullptr) return nullptr;
+  const auto offset = reinterpret_cast<const uint8_t*>(local) -
+                      reinterpret_cast<const uint8_t*>(c.sym.abort_word);  // the buffer's base
+  return reinterpret_cast<T*>(base + offset);
+}
+
 // SETs a 64-bit flag (count, ack, abort word, barrier flag) on `pe`, after every write and
 // read this thread made or observed before. A peer reachable by load/store gets a release
 // store at system scope (an ack follows reads of the peer's data: a GPU-scope fence would not
@@ -19,8 +32,9 @@ constexpr int kWarpSize = 32;
 // nvshmem_fence: proxy transports run signals as atomics at the target, which UCX cannot do
 // without GDRCopy ("AMO 8 not supported ... GDRCopy Disabled"), and flags only need SET: a
 // whole aligned word, never added to.
-__device__ __forceinline__ void set_flag(uint64_t* flag, uint64_t value, int pe) {
-  if (auto* direct = static_cast<uint64_t*>(nvshmem_ptr(flag, pe))) {
+__device__ __forceinline__ void set_flag(const CommonParams& c, uint64_t* flag, uint64_t value,
+                                         int pe) {
+  if (uint64_t* direct = peer_ptr(c, flag, pe)) {
     st_release_sys_u64(direct, value);
   } else {
     nvshmem_fence();  // puts to pe issued before this one land first
@@ -30,10 +44,11 @@ __device__ __forceinline__ void set_flag(uint64_t* flag, uint64_t value, int pe)
 
 // The whole warp puts `bytes` from symmetric `src` to `dst` on a peer not reachable by
 // load/store, then lane 0 sets the flag behind the data (set_flag's fence orders them).
-__device__ __forceinline__ void put_then_flag_warp(void* dst, const void* src, size_t bytes,
+__device__ __forceinline__ void put_then_flag_warp(const CommonParams& c, void* dst,
+                                                   const void* src, size_t bytes,
                                                    uint64_t* flag, uint64_t value, int pe) {
   nvshmemx_putmem_nbi_warp(dst, src, bytes, pe);
-  if (threadIdx.x % kWarpSize == 0) set_flag(flag, value, pe);
+  if (threadIdx.x % kWarpSize == 0) set_flag(c, flag, value, pe);
   __syncwarp();
 }
 
@@ -46,7 +61,7 @@ __device__ __forceinline__ void fail(const CommonParams& c, ErrorCode code, Phas
   if (code == kPeerAborted) return;  // the peer that failed first told everyone already
   const uint64_t word = abort_value(code, c.rank);
   for (int pe = 0; pe < c.shape.world_size; ++pe)
-    set_flag(c.sym.abort_word, word, pe);
+    set_flag(c, c.sym.abort_word, word, pe);
 }
 
 // True once this rank or any peer reported an error on the handle: every kernel then does
@@ -78,18 +93,24 @@ __device__ __forceinline__ bool launch_in_order(const CommonParams& c, KernelId 
 // At a kernel's start: true if it must do nothing. Either the handle is poisoned (a rank that
 // learns of a peer's error only here records it, so that check() and the host's next call
 // report it), or this launch is out of order (recorded as a ProtocolError and broadcast: the
-// cycle is broken for every rank).
+// cycle is broken for every rank). Otherwise *epoch is this launch's cycle (one more than the
+// launches completed before it; the last block advances it: finish_launch). The abort word and
+// both launch counts are loaded before any is used: one round trip, where loading the counts
+// after testing the word made two, and a separate epoch load a third (~0.3 us each).
 __device__ __forceinline__ bool refused_at_start(const CommonParams& c, KernelId kernel,
-                                                 Phase phase) {
-  const bool reporter = blockIdx.x == 0 && threadIdx.x == 0;
+                                                 Phase phase, uint64_t* epoch) {
+  const bool is_send = kernel == kDispatchSendKernel || kernel == kCombineSendKernel;
   const uint64_t word = ld_relaxed_sys_u64(c.sym.abort_word);
+  uint64_t sent = 0, received = 0;
+  const bool in_order = launch_in_order(c, kernel, &sent, &received);
+  *epoch = (is_send ? sent : received) + 1;
+  const bool reporter = blockIdx.x == 0 && threadIdx.x == 0;
   if (word != 0) {
     if (reporter && *reinterpret_cast<volatile uint32_t*>(&c.error->claimed) == 0)
       fail(c, kPeerAborted, phase, abort_rank(word), -1, abort_code(word), 0, kWhatNone);
     return true;
   }
-  uint64_t sent = 0, received = 0;
-  if (launch_in_order(c, kernel, &sent, &received)) return false;
+  if (in_order) return false;
   if (reporter) fail(c, kOutOfOrder, phase, -1, -1, sent, received, kWhatNone);
   return true;
 }
@@ -150,12 +171,6 @@ __device__ __forceinline__ bool warp_wait_ge(const CommonParams& c, const uint64
   ok = __shfl_sync(0xffffffffu, ok, 0);
   __syncwarp();
   return ok != 0;
-}
-
-// The epoch this launch works on: one more than the launches completed before it. Every block
-// reads it at its start; only the last block to finish advances it (finish_launch).
-__device__ __forceinline__ uint64_t launch_epoch(const CommonParams& c, KernelId kernel) {
-  return launches_done(c, kernel) + 1;
 }
 
 __device__ __forceinline__ void stamp_start(const CommonParams& c, KernelId kernel) {

@@ -45,7 +45,7 @@ __global__ void barrier_kernel(const BarrierParams p) {
                             launch_in_order(c, kCombineSendKernel, &sent, &received)))
     fail(c, kOutOfOrder, kPhaseBarrier, -1, -1, sent, received, kWhatNone);  // waits then abort
   for (int peer = threadIdx.x; peer < c.shape.world_size; peer += blockDim.x)
-    set_flag(&c.sym.barrier_flag[c.rank], epoch, peer);
+    set_flag(c, &c.sym.barrier_flag[c.rank], epoch, peer);
   for (int peer = threadIdx.x; peer < c.shape.world_size; peer += blockDim.x) {
     uint64_t seen = 0;
     const Wait w = wait_ge(c, &c.sym.barrier_flag[peer], epoch, deadline, &seen);

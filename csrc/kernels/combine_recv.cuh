@@ -92,7 +92,6 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
   const SymmetricLayout& sym = c.sym;
   const Warps w;
   stamp_start(c, kCombineRecvKernel);
-  const uint64_t epoch = launch_epoch(c, kCombineRecvKernel);
   const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
   const int k = s.experts_per_token;
   const int chunks = s.hidden / kElemsPerChunk;
@@ -103,7 +102,8 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
   const int max_parts = (chunks + kWarpSize - 1) / kWarpSize;
   const int parts = max(1, min(max_parts, w.total / max(num_tokens, 1)));
   const int part_chunks = (chunks + parts - 1) / parts;
-  bool healthy = !refused_at_start(c, kCombineRecvKernel, kPhaseCombineRecv);
+  uint64_t epoch = 0;
+  bool healthy = !refused_at_start(c, kCombineRecvKernel, kPhaseCombineRecv, &epoch);
 
   for (int i = w.warp; i < s.max_num_tokens * parts; i += w.total) {
     const int t = i / parts, part = i % parts;
@@ -156,11 +156,13 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
     }
   }
 
-  // Step 3: every rank may overwrite our combine_rows again.
+  // Step 3: every rank may overwrite our combine_rows again. The abort word is read before the
+  // block barrier, overlapping the other warps' sums.
+  const bool acknowledge = !poisoned(c);
   if (!is_last_block(c, kCombineRecvKernel)) return;
-  if (!poisoned(c)) {
+  if (acknowledge) {
     for (int h = threadIdx.x; h < s.world_size; h += blockDim.x)
-      set_flag(&sym.combine_ack[c.rank], epoch, h);
+      set_flag(c, &sym.combine_ack[c.rank], epoch, h);
   }
   finish_launch(c, kCombineRecvKernel, epoch);
 }

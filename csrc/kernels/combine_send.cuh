@@ -14,7 +14,7 @@
 // 3. Work items are the filled rows of all local experts, numbered through a prefix of
 //    expert_num_tokens in shared memory, strided over every warp. A row's source (group g,
 //    token t, slot j) is checked; the row goes to every member h = g * dp + m of the group:
-//      - h reachable by load/store: 16-byte stores from expert_y straight into h's
+//      - h reachable by load/store (peer_ptr): 16-byte stores from expert_y straight into h's
 //        combine_rows, then __syncwarp, fence.sys, flag store;
 //      - otherwise copied once into combine_staging[i] (symmetric; XLA's expert_y may be
 //        reused before a network put has read it), put, and the flag put behind a fence.
@@ -35,13 +35,13 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
   const SymmetricLayout& sym = c.sym;
   const Warps w;
   stamp_start(c, kCombineSendKernel);
-  const uint64_t epoch = launch_epoch(c, kCombineSendKernel);
   const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
   const int k = s.experts_per_token, L = s.num_local_experts(), R = s.max_recv_tokens();
   const int G = s.num_dp_groups(), dp = s.dp_size;
 
   // Step 1: every home rank has read our previous cycle's rows.
-  bool ok = !refused_at_start(c, kCombineSendKernel, kPhaseCombineSend);
+  uint64_t epoch = 0;
+  bool ok = !refused_at_start(c, kCombineSendKernel, kPhaseCombineSend, &epoch);
   if (ok && threadIdx.x < kWarpSize) {
     for (int h = w.lane; h < s.world_size; h += kWarpSize) {
       uint64_t seen = 0;
@@ -97,12 +97,10 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
     uint64_t* flag = sym.slot_flag(t, j);
     for (int m = 0; m < dp; ++m) {
       const int home = g * dp + m;
-      auto* direct = static_cast<uint8_t*>(nvshmem_ptr(row, home));
-      if (direct != nullptr) {
+      if (uint8_t* direct = peer_ptr(c, row, home)) {
         warp_copy(direct, y_row, sym.combine_row_bytes, w.lane);
         __syncwarp();
-        if (w.lane == 0)
-          st_release_sys_u64(static_cast<uint64_t*>(nvshmem_ptr(flag, home)), epoch);
+        if (w.lane == 0) st_release_sys_u64(peer_ptr(c, flag, home), epoch);
       } else {
         if (staged == nullptr) {
           uint8_t* copy = sym.staged_row(i);
@@ -110,7 +108,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
           __syncwarp();
           staged = copy;
         }
-        put_then_flag_warp(row, staged, sym.combine_row_bytes, flag, epoch, home);
+        put_then_flag_warp(c, row, staged, sym.combine_row_bytes, flag, epoch, home);
       }
     }
   }

@@ -8,12 +8,17 @@
 // 3. Step 1, every block: one thread per group waits (bounded) for dispatch_count[g] to carry
 //    epoch e; its low word n_g (<= max_m, checked) is how many records come. A prefix over the
 //    groups goes to shared memory.
-//    Step 2: warps stride over all records of all groups. For record (g, i) the warp waits for
-//    its flag >= e (per-record: a warp starts copying as soon as its own record is there), checks
-//    the header (token < max_m), and for each expert id that is local takes a row with
-//    atomicAdd(expert_fill[e]) (< R, checked) and copies payload, scales, weight and source.
-// 4. The last block writes expert_num_tokens, re-arms expert_fill, and SETs dispatch_ack[rank]
-//    = e on every s_g: our recv_records may be overwritten by their next cycle.
+//    A sender reachable by load/store published its count after all its records (release), so
+//    the count's acquire is all a block needs before reading them; a staged sender's records
+//    each carry a flag.
+//    Step 2: warps stride over all records of all groups. For record (g, i) of a staged sender
+//    the warp waits for its flag >= e; it checks the header (token < max_m), and for each
+//    expert id that is local takes a row with atomicAdd on the expert's fill count (< R,
+//    checked; in shared memory when the grid is one block, else expert_fill in scratch) and
+//    copies payload, scales, weight and source.
+// 4. The last block writes expert_num_tokens, re-arms the fill counts, and SETs
+//    dispatch_ack[rank] = e on every s_g: our recv_records may be overwritten by their next
+//    cycle.
 // 5. On any failure (timeout, abort word, bad value) the error is recorded and broadcast, the
 //    remaining records are skipped, no ack is sent, and on a poisoned handle every count is 0.
 #pragma once
@@ -30,15 +35,20 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
   const SymmetricLayout& sym = c.sym;
   const Warps w;
   stamp_start(c, kDispatchRecvKernel);
-  const uint64_t epoch = launch_epoch(c, kDispatchRecvKernel);
   const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
   const int k = s.experts_per_token, L = s.num_local_experts(), R = s.max_recv_tokens();
   const int G = s.num_dp_groups(), dp = s.dp_size;
   const int first_expert = c.rank * L;
+  __shared__ uint32_t block_fill[kMaxBlockCounters];
+  const bool one_block = gridDim.x == 1 && L <= kMaxBlockCounters;
+  uint32_t* fill = one_block ? block_fill : c.scratch.expert_fill;
+  if (one_block)
+    for (int e = threadIdx.x; e < L; e += blockDim.x) block_fill[e] = 0;
 
   // Step 1: how many records will each group send this cycle?
   extern __shared__ uint32_t first_record[];  // [G + 1] prefix of the groups' record counts
-  bool ok = !refused_at_start(c, kDispatchRecvKernel, kPhaseDispatchRecv);
+  uint64_t epoch = 0;
+  bool ok = !refused_at_start(c, kDispatchRecvKernel, kPhaseDispatchRecv, &epoch);
   for (int g = threadIdx.x; g < G; g += blockDim.x) {
     uint32_t n = 0;
     if (ok) {
@@ -60,7 +70,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
     }
     first_record[g + 1] = n;
   }
-  __syncthreads();
+  ok = __syncthreads_and(ok);  // (also orders the counts' acquires before the reads below)
   if (threadIdx.x == 0) {
     first_record[0] = 0;
     for (int g = 0; g < G; ++g) first_record[g + 1] += first_record[g];
@@ -68,8 +78,10 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
   __syncthreads();
   stamp_mark(c, kDispatchRecvKernel, kWaited);
 
-  // Step 2: every record of every group, as it lands.
-  const uint32_t total = poisoned(c) ? 0 : first_record[G];
+  // Step 2: every record of every group. A refused launch reads none; a group whose count
+  // failed has none (its failure is recorded and broadcast); the other groups' records are
+  // complete, so reading them is safe even if a peer has aborted since.
+  const uint32_t total = ok ? first_record[G] : 0;
   for (uint32_t i = w.warp; i < total; i += w.total) {
     int g = 0;  // the group whose records cover i: largest g with first_record[g] <= i
     for (int lo = 0, hi = G; hi - lo > 1;) {
@@ -79,7 +91,8 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
     }
     const int slot = static_cast<int>(i - first_record[g]);
     const int sender = g * dp + c.rank % dp;
-    if (!warp_wait_ge(c, sym.record_flag(g, slot), epoch, deadline, kPhaseDispatchRecv, sender,
+    if (peer_ptr(c, sym.abort_word, sender) == nullptr &&
+        !warp_wait_ge(c, sym.record_flag(g, slot), epoch, deadline, kPhaseDispatchRecv, sender,
                       -1, kWhatRecord))
       break;
     const uint8_t* rec = sym.recv_record(g, slot);
@@ -98,7 +111,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
       const int j = j0 + w.lane;
       const int e = j < k ? header[1 + j] - first_expert : -1;
       int row = -1;
-      if (e >= 0 && e < L) row = static_cast<int>(atomicAdd(&c.scratch.expert_fill[e], 1u));
+      if (e >= 0 && e < L) row = static_cast<int>(atomicAdd(&fill[e], 1u));
       if (row >= R) {  // more rows than any routing can make: a corrupt header
         fail(c, kCorruptData, kPhaseDispatchRecv, sender, t, R, row, kWhatRow);
         row = -1;
@@ -122,16 +135,17 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
     }
   }
 
-  // Step 3: the last block publishes the counts and acknowledges every sender.
-  if (!is_last_block(c, kDispatchRecvKernel)) return;
+  // Step 3: the last block publishes the counts and acknowledges every sender. The abort word
+  // is read before the block barrier, overlapping the other warps' copies.
   const bool healthy = !poisoned(c);
+  if (!is_last_block(c, kDispatchRecvKernel)) return;
   for (int e = threadIdx.x; e < L; e += blockDim.x) {
-    const uint32_t filled = atomicExch(&c.scratch.expert_fill[e], 0u);
+    const uint32_t filled = one_block ? fill[e] : atomicExch(&fill[e], 0u);
     p.expert_num_tokens[e] = healthy ? static_cast<int32_t>(min(filled, uint32_t(R))) : 0;
   }
   if (healthy) {
     for (int g = threadIdx.x; g < G; g += blockDim.x)
-      set_flag(&sym.dispatch_ack[c.rank], epoch, g * dp + c.rank % dp);
+      set_flag(c, &sym.dispatch_ack[c.rank], epoch, g * dp + c.rank % dp);
   }
   finish_launch(c, kDispatchRecvKernel, epoch);
 }

@@ -11,17 +11,21 @@
 //      local  dispatch_ack[d_g]           waited >= e - 1: d_g has read our cycle e - 1 records,
 //                                         so its slots and our staged copies are free again.
 //      on d_g recv_records[my_group][i]   the record (header, payload, scales),
-//             dispatch_flag[my_group][i]  SET e after the record's bytes,
+//             dispatch_flag[my_group][i]  SET e after the record's bytes (staged records only),
 //             dispatch_count[my_group]    SET (e << 32) | records sent to d_g, by the last block.
 // 4. Work items are (token t, destination g) pairs, t < num_tokens, strided over all warps of
 //    the grid, so one token's copies travel in parallel. A pair whose token has no expert on
-//    d_g is skipped. The warp takes a slot (atomicAdd send_count[g]) and writes the record:
-//      - d_g reachable by load/store (nvshmem_ptr != nullptr): straight into the peer's
-//        recv_records with 16-byte stores, then __syncwarp, fence.sys and the flag store;
+//    d_g is skipped. The warp takes a slot (atomicAdd on the destination's send count: in
+//    shared memory when the grid is one block, else in scratch) and writes the record:
+//      - d_g reachable by load/store (peer_ptr != nullptr): straight into the peer's
+//        recv_records with 16-byte stores, and no flag: the count's release covers them;
 //      - otherwise packed into send_records[t][g] (symmetric) and sent with
 //        a warp put, then the flag put behind a fence (core/protocol.cuh put_then_flag_warp).
-// 5. The last block publishes the counts (the receivers wait on each record's flag, so the
-//    count needs no ordering with the data), re-arms send_count and advances the epoch.
+// 5. The last block publishes the counts, re-arms the send counts and advances the epoch. Its
+//    release store of a count comes after every block's records (block barrier, and across
+//    blocks the ticket's fences), so a load/store receiver that acquired the count sees all
+//    of them: one system fence per destination and cycle, where a flag per record made two in
+//    a row (the record's, then the count's) and cost the receiver a wait per record.
 // 6. Errors: an expert id outside [-1, E) or num_tokens outside [0, max_m] is recorded and
 //    broadcast (abort word); on a poisoned handle the kernel sends nothing.
 #pragma once
@@ -59,14 +63,19 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) 
   const SymmetricLayout& sym = c.sym;
   const Warps w;
   stamp_start(c, kDispatchSendKernel);
-  const uint64_t epoch = launch_epoch(c, kDispatchSendKernel);
   const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
   const int k = s.experts_per_token, L = s.num_local_experts();
   const int G = s.num_dp_groups(), dp = s.dp_size;
   const int my_group = c.rank / dp, my_member = c.rank % dp;
+  __shared__ uint32_t block_send_count[kMaxBlockCounters];
+  const bool one_block = gridDim.x == 1 && G <= kMaxBlockCounters;
+  uint32_t* send_count = one_block ? block_send_count : c.scratch.send_count;
+  if (one_block)
+    for (int g = threadIdx.x; g < G; g += blockDim.x) block_send_count[g] = 0;
 
   int num_tokens = *p.num_tokens;
-  bool ok = !refused_at_start(c, kDispatchSendKernel, kPhaseDispatchSend);
+  uint64_t epoch = 0;
+  bool ok = !refused_at_start(c, kDispatchSendKernel, kPhaseDispatchSend, &epoch);
   if (ok && (num_tokens < 0 || num_tokens > s.max_num_tokens)) {
     if (blockIdx.x == 0 && threadIdx.x == 0)
       fail(c, kBadNumTokens, kPhaseDispatchSend, -1, -1, s.max_num_tokens,
@@ -105,30 +114,28 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) 
     }
     if (!__any_sync(0xffffffffu, routed)) continue;
     int slot = 0;
-    if (w.lane == 0) slot = static_cast<int>(atomicAdd(&c.scratch.send_count[g], 1u));
+    if (w.lane == 0) slot = static_cast<int>(atomicAdd(&send_count[g], 1u));
     slot = __shfl_sync(0xffffffffu, slot, 0);
     uint8_t* rec = sym.recv_record(my_group, slot);
-    uint64_t* flag = sym.record_flag(my_group, slot);
-    auto* direct = static_cast<uint8_t*>(nvshmem_ptr(rec, dst));
-    if (direct != nullptr) {
-      write_record(p, direct, t, w.lane);
-      __syncwarp();
-      if (w.lane == 0) st_release_sys_u64(static_cast<uint64_t*>(nvshmem_ptr(flag, dst)), epoch);
+    if (uint8_t* direct = peer_ptr(c, rec, dst)) {
+      write_record(p, direct, t, w.lane);  // published by the count (step 3)
     } else {
       uint8_t* staged = sym.send_record(t, g);
       write_record(p, staged, t, w.lane);
       __syncwarp();
-      put_then_flag_warp(rec, staged, sym.record.bytes, flag, epoch, dst);
+      put_then_flag_warp(c, rec, staged, sym.record.bytes, sym.record_flag(my_group, slot),
+                         epoch, dst);
     }
   }
 
-  // Step 3: the last block publishes the per-destination counts and closes the launch.
-  if (!is_last_block(c, kDispatchSendKernel)) return;
+  // Step 3: the last block publishes the per-destination counts and closes the launch. The
+  // abort word is read before the block barrier, so its load overlaps the other warps' work.
   const bool publish = !poisoned(c);
+  if (!is_last_block(c, kDispatchSendKernel)) return;
   for (int g = threadIdx.x; g < G; g += blockDim.x) {
-    const uint32_t count = atomicExch(&c.scratch.send_count[g], 0u);
+    const uint32_t count = one_block ? send_count[g] : atomicExch(&send_count[g], 0u);
     if (publish)
-      set_flag(&sym.dispatch_count[my_group], count_word(epoch, count), g * dp + my_member);
+      set_flag(c, &sym.dispatch_count[my_group], count_word(epoch, count), g * dp + my_member);
   }
   finish_launch(c, kDispatchSendKernel, epoch);
 }

@@ -71,6 +71,7 @@ struct LocalScratch {
 struct CommonParams {
   Shape shape;
   SymmetricLayout sym;
+  PeerTable peers;  // the symmetric buffer as each peer's copy is mapped here (layout.h)
   LocalScratch scratch;
   ErrorRecord* error;  // device view of the pinned record
   // [kTimingSlots] %globaltimer stamps of the current sample, or nullptr (timing off when the
@@ -118,6 +119,11 @@ struct BarrierParams {
   CommonParams c;
   uint64_t* timing_ring;  // [kTimingSamples][kTimingSlots]: finished samples' stamps
 };
+
+// Counters of a one-block launch (the fused ops) live in shared memory instead of the scratch
+// arrays: no global atomic round trip per record or row, no reset at the end. Up to this many
+// destinations (send counts) or local experts (row fill); wider shapes use the scratch arrays.
+constexpr int kMaxBlockCounters = 256;
 
 // Dynamic shared memory of the bodies that keep a prefix there (split and fused launches, and
 // the occupancy queries): dispatch_recv's first_record [G + 1], combine_send's first_row [L + 1].
