@@ -90,54 +90,77 @@ __device__ __forceinline__ bool launch_in_order(const CommonParams& c, KernelId 
   return *sent - *received == (is_send ? 0u : 1u);
 }
 
+// What a kernel reads first: the abort word and the launch counts of its half.
+struct LaunchWords {
+  uint64_t abort_word, sent, received;
+  bool in_order;
+};
+
+// Issues the three loads; nothing here uses their values, so they travel together, and a
+// caller may issue more loads (an acknowledgement) before refused_at_start looks at them.
+__device__ __forceinline__ LaunchWords load_launch_words(const CommonParams& c, KernelId kernel) {
+  LaunchWords l;
+  l.abort_word = ld_relaxed_sys_u64(c.sym.abort_word);
+  l.in_order = launch_in_order(c, kernel, &l.sent, &l.received);
+  return l;
+}
+
 // At a kernel's start: true if it must do nothing. Either the handle is poisoned (a rank that
 // learns of a peer's error only here records it, so that check() and the host's next call
 // report it), or this launch is out of order (recorded as a ProtocolError and broadcast: the
 // cycle is broken for every rank). Otherwise *epoch is this launch's cycle (one more than the
-// launches completed before it; the last block advances it: finish_launch). The abort word and
-// both launch counts are loaded before any is used: one round trip, where loading the counts
-// after testing the word made two, and a separate epoch load a third (~0.3 us each).
+// launches completed before it; the last block advances it: finish_launch). The words are
+// loaded before any is used (load_launch_words): one round trip, where testing the abort word
+// before loading the counts made two, and a separate epoch load a third (~0.3 us each).
 __device__ __forceinline__ bool refused_at_start(const CommonParams& c, KernelId kernel,
-                                                 Phase phase, uint64_t* epoch) {
+                                                 Phase phase, const LaunchWords& l,
+                                                 uint64_t* epoch) {
   const bool is_send = kernel == kDispatchSendKernel || kernel == kCombineSendKernel;
-  const uint64_t word = ld_relaxed_sys_u64(c.sym.abort_word);
-  uint64_t sent = 0, received = 0;
-  const bool in_order = launch_in_order(c, kernel, &sent, &received);
-  *epoch = (is_send ? sent : received) + 1;
+  *epoch = (is_send ? l.sent : l.received) + 1;
   const bool reporter = blockIdx.x == 0 && threadIdx.x == 0;
-  if (word != 0) {
+  if (l.abort_word != 0) {
     if (reporter && *reinterpret_cast<volatile uint32_t*>(&c.error->claimed) == 0)
-      fail(c, kPeerAborted, phase, abort_rank(word), -1, abort_code(word), 0, kWhatNone);
+      fail(c, kPeerAborted, phase, abort_rank(l.abort_word), -1, abort_code(l.abort_word), 0,
+           kWhatNone);
     return true;
   }
-  if (in_order) return false;
-  if (reporter) fail(c, kOutOfOrder, phase, -1, -1, sent, received, kWhatNone);
+  if (l.in_order) return false;
+  if (reporter) fail(c, kOutOfOrder, phase, -1, -1, l.sent, l.received, kWhatNone);
   return true;
+}
+
+__device__ __forceinline__ bool refused_at_start(const CommonParams& c, KernelId kernel,
+                                                 Phase phase, uint64_t* epoch) {
+  return refused_at_start(c, kernel, phase, load_launch_words(c, kernel), epoch);
 }
 
 enum class Wait { kArrived, kTimedOut, kAborted };
 
-// Spins until *flag >= expected. Polls relaxed; when the value is there, one acquire load and,
-// if some peer goes through a proxy transport, nvshmem_uint64_test, which runs the transport's
-// post-wait consistency hook (DESIGN §11; with only load/store peers the acquire is the whole
-// story, and the hook's extra load and fence sat on every wait's critical path). Gives up at
-// the deadline or when the abort word is set.
+// Spins until *flag >= expected. The first load acquires: a flag that is already there (an
+// acknowledgement of the previous cycle, a peer that was ahead) costs one load, not a relaxed
+// load and then an acquire. Otherwise it polls relaxed (no L1 invalidation per poll), then
+// acquires once. With a peer behind a proxy transport, nvshmem_uint64_test then runs the
+// transport's post-wait consistency hook (DESIGN §11; with only load/store peers the acquire is
+// the whole story). Gives up at the deadline or when the abort word is set.
 __device__ __forceinline__ Wait wait_ge(const CommonParams& c, const uint64_t* flag,
                                         uint64_t expected, uint64_t deadline, uint64_t* seen) {
-  uint64_t v = ld_relaxed_sys_u64(flag);
-  while (v < expected) {
-    if (ld_relaxed_sys_u64(c.sym.abort_word) != 0) {
-      *seen = v;
-      return Wait::kAborted;
-    }
-    if (globaltimer_ns() > deadline) {
-      *seen = v;
-      return Wait::kTimedOut;
-    }
-    __nanosleep(20);
-    v = ld_relaxed_sys_u64(flag);
+  uint64_t v = ld_acquire_sys_u64(flag);
+  if (v < expected) {
+    do {
+      if (ld_relaxed_sys_u64(c.sym.abort_word) != 0) {
+        *seen = v;
+        return Wait::kAborted;
+      }
+      if (globaltimer_ns() > deadline) {
+        *seen = v;
+        return Wait::kTimedOut;
+      }
+      __nanosleep(20);
+      v = ld_relaxed_sys_u64(flag);
+    } while (v < expected);
+    v = ld_acquire_sys_u64(flag);
   }
-  *seen = ld_acquire_sys_u64(flag);
+  *seen = v;
   if (c.sym.staged()) nvshmem_uint64_test(const_cast<uint64_t*>(flag), NVSHMEM_CMP_GE, expected);
   return Wait::kArrived;
 }

@@ -40,10 +40,16 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
   const int G = s.num_dp_groups(), dp = s.dp_size;
 
   // Step 1: every home rank has read our previous cycle's rows.
+  // The previous cycle's acknowledgements (warp 0, a lane per home rank) are loaded with the
+  // launch words: one round trip for both where they are already there.
+  const LaunchWords words = load_launch_words(c, kCombineSendKernel);
+  const bool ack_lane = threadIdx.x < kWarpSize && threadIdx.x < s.world_size;
+  const uint64_t first_ack = ack_lane ? ld_acquire_sys_u64(&sym.combine_ack[threadIdx.x]) : 0;
   uint64_t epoch = 0;
-  bool ok = !refused_at_start(c, kCombineSendKernel, kPhaseCombineSend, &epoch);
+  bool ok = !refused_at_start(c, kCombineSendKernel, kPhaseCombineSend, words, &epoch);
   if (ok && threadIdx.x < kWarpSize) {
     for (int h = w.lane; h < s.world_size; h += kWarpSize) {
+      if (h == w.lane && first_ack >= epoch - 1) continue;  // loaded above: already there
       uint64_t seen = 0;
       const Wait r = wait_ge(c, &sym.combine_ack[h], epoch - 1, deadline, &seen);
       ok &= check_wait(c, r, kPhaseCombineSend, h, -1, epoch - 1, seen, kWhatAck);

@@ -73,9 +73,15 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) 
   if (one_block)
     for (int g = threadIdx.x; g < G; g += blockDim.x) block_send_count[g] = 0;
 
+  // The previous cycle's acknowledgements (warp 0, a lane per destination) are loaded with the
+  // launch words and the token count: one round trip for all where they are already there.
   int num_tokens = *p.num_tokens;
+  const LaunchWords words = load_launch_words(c, kDispatchSendKernel);
+  const bool ack_lane = threadIdx.x < kWarpSize && threadIdx.x < G;
+  const uint64_t first_ack =
+      ack_lane ? ld_acquire_sys_u64(&sym.dispatch_ack[threadIdx.x * dp + my_member]) : 0;
   uint64_t epoch = 0;
-  bool ok = !refused_at_start(c, kDispatchSendKernel, kPhaseDispatchSend, &epoch);
+  bool ok = !refused_at_start(c, kDispatchSendKernel, kPhaseDispatchSend, words, &epoch);
   if (ok && (num_tokens < 0 || num_tokens > s.max_num_tokens)) {
     if (blockIdx.x == 0 && threadIdx.x == 0)
       fail(c, kBadNumTokens, kPhaseDispatchSend, -1, -1, s.max_num_tokens,
@@ -86,6 +92,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) 
   // Step 1: every destination has read our previous cycle's records (warp 0 of each block).
   if (ok && threadIdx.x < kWarpSize) {
     for (int g = w.lane; g < G; g += kWarpSize) {
+      if (g == w.lane && first_ack >= epoch - 1) continue;  // loaded above: already there
       const int dst = g * dp + my_member;
       uint64_t seen = 0;
       const Wait r = wait_ge(c, &sym.dispatch_ack[dst], epoch - 1, deadline, &seen);
