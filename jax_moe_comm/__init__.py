@@ -4,6 +4,8 @@ from . import distributed  # registers the launcher's variables with jax.distrib
 from .api import (CHECKPOINT_NAME, AllToAll, DispatchOutput, PendingCombine, PendingDispatch,
                   order_after, resolve_backend)
 from .config import KernelTuning, MoEConfig
+from . import expert_gemm
+from .expert_gemm import expert_mlp
 from .errors import (CorruptDataError, InvalidRoutingError, MoECommError,
                      NativeUnavailableError, PeerAbortedError, PeerTimeoutError, ProtocolError,
                      ReferenceFallbackWarning)
@@ -14,6 +16,7 @@ __all__ = [
     "PendingDispatch", "resolve_backend",
     "KernelTuning", "MoEConfig", "InvalidRoutingError", "MoECommError",
     "NativeUnavailableError", "PeerTimeoutError", "ProtocolError", "PeerAbortedError",
-    "CorruptDataError", "ReferenceFallbackWarning", "init", "finalize",
+    "CorruptDataError", "ReferenceFallbackWarning", "init", "finalize", "expert_gemm",
+    "expert_mlp",
 ]
 __version__ = "0.1.0"

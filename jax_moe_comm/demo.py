@@ -32,8 +32,11 @@ def _parse(argv):
     p.add_argument("--fp8", action="store_true", help="fp8 dispatch with block scales")
     p.add_argument("--no-shared", action="store_true", help="no shared expert")
     p.add_argument("--layout", default="packed", choices=("packed", "padded"),
-                   help="expert layout: packed rows + ragged_dot (default), or the padded "
-                        "[L, max_recv, H] layout through a dense einsum")
+                   help="expert layout: packed rows (default), or padded [L, max_recv, H]")
+    p.add_argument("--expert-gemm", default="auto",
+                   choices=("auto", "einsum", "ragged_dot", "tokamax", "masked"),
+                   help="how the experts' GEMMs run (jax_moe_comm.expert_gemm; auto: the "
+                        "fastest measured on the platform)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train", action="store_true", help="training steps instead of inference")
     p.add_argument("--lr", type=float, default=3e-3, help="learning rate (--train)")
@@ -67,12 +70,13 @@ def main(argv=None) -> int:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from . import AllToAll
+    from . import AllToAll, expert_gemm
     from .moe import MoELayerConfig, dense_forward, init_params, moe_forward
 
     cfg = MoELayerConfig(num_experts=args.experts, experts_per_token=args.topk,
                          hidden=args.hidden, ffn=args.ffn, max_num_tokens=args.tokens,
-                         shared_expert=not args.no_shared, fp8_dispatch=args.fp8)
+                         shared_expert=not args.no_shared, fp8_dispatch=args.fp8,
+                         expert_gemm=args.expert_gemm)
     world = len(jax.devices())
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
     a2a = AllToAll(cfg.comm_config(world), axis_name="ep", backend=args.backend,
@@ -82,7 +86,7 @@ def main(argv=None) -> int:
         f"platform={jax.default_backend()} E={cfg.num_experts} k={cfg.experts_per_token} "
         f"H={cfg.hidden} F={cfg.ffn} max_tokens/rank={cfg.max_num_tokens} "
         f"dispatch={'fp8' if cfg.fp8_dispatch else 'bf16'} shared_expert={cfg.shared_expert} "
-        f"layout={a2a.layout}")
+        f"layout={a2a.layout} expert_gemm={expert_gemm.resolve(cfg.expert_gemm)}")
 
     params = init_params(cfg, args.seed)
     if args.train:

@@ -10,9 +10,10 @@ The module holds the AllToAll handle, the router, the experts (sharded over the 
 rank r holds experts [r*L, (r+1)*L)) and an optional shared expert (replicated), and calls
 jax.shard_map itself: its inputs and outputs are global arrays, rows sharded over the axis.
 The layer is jax_moe_comm.moe.moe_forward: top-k softmax router, dispatch, the shared expert
-while tokens are in flight, SiLU MLP experts (one jax.lax.ragged_dot each on the packed
-layout), combine. It trains under nnx.jit/nnx.grad on both backends (the handle is made
-differentiable=True unless told otherwise; gradient rules: autodiff.py).
+while tokens are in flight, SiLU MLP experts (their GEMMs as `expert_gemm` says; default
+"auto", the fastest measured on the platform: expert_gemm.py), combine. It trains under
+nnx.jit/nnx.grad on both backends (the handle is made differentiable=True unless told
+otherwise; gradient rules: autodiff.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class MoE(nnx.Module):
     over the axis, shared_in [H, F] and shared_out [F, H] bf16 when shared_expert.
     differentiable (default True): the handle also holds the backward all-to-alls' buffers,
     so that nnx.grad works (on every backend); pass False for inference only, to save them.
+    expert_gemm: how the experts' GEMMs run (jax_moe_comm.expert_gemm.OPTIONS; "auto": the
+    fastest measured on the platform).
     Call close() when done (collective): it frees the handle's buffers.
     """
 
@@ -48,13 +51,14 @@ class MoE(nnx.Module):
                  max_num_tokens: int, mesh: jax.sharding.Mesh, axis_name: str = "ep",
                  shared_expert: bool = True, fp8_dispatch: bool = False,
                  backend: str = "auto", layout: str = "packed", differentiable: bool = True,
-                 rngs: nnx.Rngs):
+                 expert_gemm: str = "auto", rngs: nnx.Rngs):
         if axis_name not in mesh.shape:
             raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh, whose axes "
                              f"are {tuple(mesh.shape)}: pass axis_name= the expert-parallel one")
         self.layer = MoELayerConfig(num_experts=num_experts, experts_per_token=experts_per_token,
                                     hidden=hidden, ffn=ffn, max_num_tokens=max_num_tokens,
-                                    shared_expert=shared_expert, fp8_dispatch=fp8_dispatch)
+                                    shared_expert=shared_expert, fp8_dispatch=fp8_dispatch,
+                                    expert_gemm=expert_gemm)
         self.mesh = mesh
         self.axis_name = axis_name
         self.a2a = AllToAll(self.layer.comm_config(mesh.shape[axis_name]), axis_name=axis_name,

@@ -2,9 +2,9 @@
 
 The shared expert runs between dispatch_send and dispatch_recv, so on the nvshmem backend it
 overlaps the tokens' flight. Expert weights are sharded over the EP axis (rank r holds experts
-[r*L, (r+1)*L)); router and shared expert are replicated. With a handle made with
-layout="packed" the experts are one jax.lax.ragged_dot over the live rows (a grouped GEMM);
-with layout="padded" a batched einsum over every padded row.
+[r*L, (r+1)*L)); router and shared expert are replicated. The experts' two GEMMs run as
+MoELayerConfig.expert_gemm says (expert_gemm.py: "auto", the fastest measured on the platform,
+or "einsum", "ragged_dot", "tokamax", "masked"), on the handle's layout ("packed" or "padded").
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import expert_gemm as gemm
 from . import quant
 from .api import AllToAll, order_after
 from .config import MoEConfig
@@ -34,6 +35,11 @@ class MoELayerConfig:
     shared_expert: bool = True
     fp8_dispatch: bool = False
     dp_size: int = 1  # ranks per DP group (they hold the same tokens)
+    # how the expert MLPs' GEMMs run: expert_gemm.OPTIONS ("auto": fastest on the platform)
+    expert_gemm: str = "auto"
+
+    def __post_init__(self):
+        gemm.check_option(self.expert_gemm)
 
     def comm_config(self, world_size: int) -> MoEConfig:
         return MoEConfig(num_experts=self.num_experts, experts_per_token=self.experts_per_token,
@@ -73,24 +79,17 @@ def mlp(x, w_in, w_out):
     return jnp.dot(h.astype(jnp.bfloat16), w_out, preferred_element_type=jnp.float32)
 
 
-def experts_forward(a2a: AllToAll, params, out):
+def experts_forward(a2a: AllToAll, params, out, expert_gemm: str = "auto"):
     """This rank's experts on dispatch's output: expert_y in the handle's layout and combine
-    dtype. params["w_in"] [L, H, F], params["w_out"] [L, F, H] (this rank's slice)."""
+    dtype. params["w_in"] [L, H, F], params["w_out"] [L, F, H] (this rank's slice).
+    expert_gemm: how the GEMMs run (expert_gemm.OPTIONS)."""
     ex = out.expert_x
     if out.expert_x_scale is not None:
         ex = dequantize_fp8(ex, out.expert_x_scale).astype(jnp.bfloat16)
-    f32 = jnp.float32
-    if a2a.layout == "packed":  # [rows, H], expert e's rows contiguous: one grouped GEMM each
-        gs = out.group_sizes
-        h = jax.nn.silu(jax.lax.ragged_dot(ex, params["w_in"], gs, preferred_element_type=f32))
-        y = jax.lax.ragged_dot(h.astype(jnp.bfloat16), params["w_out"], gs,
-                               preferred_element_type=f32)
-    else:  # [L, max_recv, H]: every padded row goes through the MLP
-        h = jax.nn.silu(jnp.einsum("lrh,lhf->lrf", ex, params["w_in"],
-                                   preferred_element_type=f32))
-        y = jnp.einsum("lrf,lfh->lrh", h.astype(jnp.bfloat16), params["w_out"],
-                       preferred_element_type=f32)
-    return y.astype(a2a.config.combine_dtype)
+    cfg = a2a.config
+    return gemm.expert_mlp(ex, out.expert_num_tokens, params["w_in"], params["w_out"],
+                           expert_gemm, out_dtype=cfg.combine_dtype,
+                           rows_per_expert=cfg.max_recv_tokens, total_rows=cfg.max_recv_total)
 
 
 def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens, drop=None,
@@ -109,7 +108,7 @@ def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens, drop=
         # only the state is tied: tying the gradient rule's inputs too would copy x
         pending = pending._replace(state=order_after(pending.state, shared))
     out = a2a.dispatch_recv(pending)
-    expert_y = experts_forward(a2a, params, out)
+    expert_y = experts_forward(a2a, params, out, cfg.expert_gemm)
     y = a2a.combine(expert_y, out.routing, indices, weights, num_tokens)
     if shared is not None:
         y = (y.astype(jnp.float32) + shared).astype(jnp.bfloat16)

@@ -12,7 +12,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 VPY="$ROOT/.venv/bin/python"
 "$VPY" -m pip install -q --disable-pip-version-check \
-  "jax>=0.10.0,<0.12" numpy pytest matplotlib "flax>=0.11" optax \
+  "jax>=0.10.0,<0.12" numpy pytest matplotlib "flax>=0.11" optax "tokamax>=0.0.12,!=0.1.0" \
   "scikit-build-core>=0.10" "nanobind>=2.0" "cmake>=3.24" ninja "nvidia-nvshmem-cu13==3.4.5"
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH=/usr/local/cuda/bin:$PATH

@@ -1,0 +1,398 @@
+"""The expert MLPs' grouped-GEMM options (expert_gemm.py, issue 24) timed on one GPU.
+
+On the GPU machine, tokamax and what it needs carried as wheels in .whl/ (one process, one
+GPU, no NVSHMEM):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site python3 benchmarks/bench_gemm.py --out $OUT/gemm
+
+    python3 benchmarks/bench_gemm.py --cpu-smoke --out /tmp/gemm   # tiny shapes on CPU: the
+                                                                   # whole script end to end
+
+One rank's experts after dispatch on 8 ranks: V2-Lite (E=64, k=6, H=2048, F=1408, L=8 local
+experts) and R1 (E=256, k=8, H=7168, F=2048, L=32) with 1, 16, 128 tokens per rank. The rank
+receives tokens*k live rows (8 ranks' tokens*k slots spread over 8 ranks), split over its L
+experts by a seeded multinomial (some experts empty at 1 token); the padded layout holds
+max_recv = 8*tokens rows per expert, the packed one 8*tokens*min(k, L) rows (the dispatch
+shapes). Rows past the counts hold random values (they must not matter), the output
+cotangent is zero there (combine never reads them).
+
+Options (rows): einsum (padded), ragged_dot (packed, XLA's lowering), ragged_dot_triton (the
+same with jax_ragged_dot_use_gpu_pallas_triton_lowering=True; its error recorded if it fails),
+tokamax (packed, tokamax's own choice of kernel; `impl` says which custom calls the compiled
+program holds), masked (padded, live rows gathered, tokamax's GEMM, scattered back).
+
+Each option is first checked against einsum on the same data: max |option - einsum| over the
+live rows of y, d x and the whole d w_in, d w_out, relative to max |einsum| per tensor; a row
+over --tol is marked incorrect (never a crash: every error is recorded in the row). Then
+fwd_us (y = silu(x w_in) w_out, bf16 in and out, f32 accumulation) and fwd_bwd_us (y and the
+gradients of x, w_in, w_out for a given cotangent) per op: one jitted lax.fori_loop runs the op
+N times (N sized to ~3 ms a call; its inputs pass an optimization barrier every iteration so
+that XLA cannot hoist the op out, and are donated so that nothing is copied), timed with
+time.perf_counter around jax.block_until_ready; the median of --runs calls after warm-up, /N.
+
+Floors (H200: 4.0e12 B/s, 700e12 bf16 FLOP/s): floor_us = max(the local experts' weights read
+once, the live rows' FLOPs); floor_fwd_bwd_us = max(weights read once and their gradients
+written once, 3x the FLOPs).
+
+Writes --out/gemm.json (meta + rows: config, tokens, option, impl, fwd_us, fwd_bwd_us,
+floor_us, err, correct, error, ...) and --out/gemm.md, and prints a short table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's jax_moe_comm (the native module is not needed)
+
+# name: (experts, top-k, hidden, expert ffn); L = experts / 8 ranks
+CONFIGS = {"V2Lite": (64, 6, 2048, 1408), "R1": (256, 8, 7168, 2048)}
+SMOKE_CONFIGS = {"tiny": (32, 4, 128, 256)}
+RANKS = 8
+HBM_BPS, PEAK_FLOPS = 4.0e12, 700e12
+OPTIONS = ("einsum", "ragged_dot", "ragged_dot_triton", "tokamax", "masked")
+TRITON_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for gemm.json and gemm.md")
+    p.add_argument("--configs", help=f"default: {','.join(CONFIGS)}")
+    p.add_argument("--tokens", help="tokens per rank, default: 1,16,128")
+    p.add_argument("--options", default=",".join(OPTIONS))
+    p.add_argument("--runs", type=int, default=20, help="timed calls per measurement (>= 20)")
+    p.add_argument("--target-ms", type=float, default=3.0, help="device time of one call")
+    p.add_argument("--tol", type=float, default=2e-2, help="max relative error vs einsum")
+    p.add_argument("--budget-s", type=float, default=200.0,
+                   help="rows not started by then are skipped (the run must stay < 4 min)")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="CPU, tiny shapes, 3 runs: checks the script end to end")
+    a = p.parse_args(argv)
+    if a.cpu_smoke:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        a.runs, a.target_ms = 3, 1.0
+    a.configs = a.configs or ("tiny" if a.cpu_smoke else ",".join(CONFIGS))
+    a.tokens = a.tokens or ("1,4" if a.cpu_smoke else "1,16,128")
+    return a
+
+
+ARGS = parse(sys.argv[1:])
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jax_moe_comm import expert_gemm as G  # noqa: E402
+from jax_moe_comm.api import pack_rows, unpack_rows  # noqa: E402
+
+bf16, f32 = jnp.bfloat16, jnp.float32
+T0 = time.perf_counter()
+
+
+# -- data --------------------------------------------------------------------------------------
+class Case:
+    """One rank's dispatch output at (config, tokens), built on the device."""
+
+    def __init__(self, name, tokens, seed=0):
+        E, k, H, F = (CONFIGS | SMOKE_CONFIGS)[name]
+        self.name, self.tokens, self.H, self.F = name, tokens, H, F
+        self.L = L = E // RANKS
+        self.R = R = RANKS * tokens  # max_recv: every rank's every token, per expert
+        self.T = R * min(k, L)  # max_recv_total, the packed rows
+        self.live = tokens * k
+        rng = np.random.default_rng(seed)
+        counts = rng.multinomial(self.live, np.full(L, 1.0 / L))
+        assert counts.max() <= R
+        self.counts_np = counts.astype(np.int32)
+        keys = jax.random.split(jax.random.key(seed), 4)
+        self.counts = jnp.asarray(self.counts_np)
+        live = (jnp.arange(R)[None, :] < self.counts[:, None])[..., None]
+        self.x = jax.random.normal(keys[0], (L, R, H), bf16)  # dead rows random too
+        self.w_in = (jax.random.normal(keys[1], (L, H, F), f32) / np.sqrt(H)).astype(bf16)
+        self.w_out = (jax.random.normal(keys[2], (L, F, H), f32) / np.sqrt(F)).astype(bf16)
+        self.g = jnp.where(live, jax.random.normal(keys[3], (L, R, H), bf16), 0)
+        pack = jax.jit(pack_rows, static_argnums=2)
+        self.x_packed, self.g_packed = pack(self.x, self.counts, self.T), pack(self.g, self.counts,
+                                                                             self.T)
+        wbytes = 2 * L * H * F * 2  # w_in and w_out, bf16
+        flops = 2 * 2 * self.live * H * F
+        self.floor_us = 1e6 * max(wbytes / HBM_BPS, flops / PEAK_FLOPS)
+        self.floor_fwd_bwd_us = 1e6 * max(2 * wbytes / HBM_BPS, 3 * flops / PEAK_FLOPS)
+        self.weight_us, self.flop_us = 1e6 * wbytes / HBM_BPS, 1e6 * flops / PEAK_FLOPS
+
+    def args(self, layout):
+        x, g = (self.x, self.g) if layout == "padded" else (self.x_packed, self.g_packed)
+        return x, self.counts, self.w_in, self.w_out, g
+
+
+def option_fn(option):
+    """(layout, mlp(x, counts, w_in, w_out) -> y bf16) of a bench option."""
+    out = dict(out_dtype=bf16)
+    if option == "einsum":
+        return "padded", lambda x, c, wi, wo: G.einsum_mlp(x, wi, wo, **out)
+    if option in ("ragged_dot", "ragged_dot_triton"):
+        return "packed", lambda x, c, wi, wo: G.ragged_dot_mlp(x, c, wi, wo, **out)
+    if option == "tokamax":
+        return "packed", lambda x, c, wi, wo: G.tokamax_mlp(x, c, wi, wo, **out)
+    if option == "masked":
+        return "padded", lambda x, c, wi, wo: G.masked_mlp(x, c, wi, wo, **out)
+    raise ValueError(f"unknown option {option!r}; expected one of {OPTIONS}")
+
+
+def fwd_op(mlp):
+    return lambda x, c, wi, wo, g: (mlp(x, c, wi, wo),)
+
+
+def fwd_bwd_op(mlp):
+    def op(x, c, wi, wo, g):
+        y, vjp = jax.vjp(lambda x, wi, wo: mlp(x, c, wi, wo), x, wi, wo)
+        return (y,) + vjp(g)
+    return op
+
+
+# -- timing ------------------------------------------------------------------------------------
+def looped(op):
+    """jit of (n, args, outs) -> (args, outs): op applied n times, args and outs donated."""
+
+    def run(n, args, outs):
+        def body(i, carry):
+            a, _ = carry
+            a = jax.lax.optimization_barrier(a)  # a new value each iteration: nothing hoisted
+            return a, op(*a)
+
+        return jax.lax.fori_loop(0, n, body, (args, outs))
+
+    return jax.jit(run, donate_argnums=(1, 2))
+
+
+def custom_calls(hlo_text: str) -> str:
+    """Which GEMM kernels the compiled program holds, e.g. 'cublas', 'mosaic_gpu'."""
+    markers = (('custom_call_target="mosaic', "mosaic_gpu"),
+               ("__gpu$xla.gpu.triton", "pallas_triton"), ("__triton_gemm", "xla_triton_gemm"),
+               ("__cublas$lt", "cublasLt"), ("__cublas$gemm", "cublas"), ("__cudnn$", "cudnn"))
+    return "+".join(name for key, name in markers if key in hlo_text) or "xla"
+
+
+def measure(op, args, runs, target_s):
+    """(per-op seconds, first outputs, impl): compile, one call for the outputs, N sized to
+    target_s, warm-up, median of `runs` calls / N."""
+    copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t))
+    args = copy(args)  # this measurement's own buffers (they are donated)
+    outs = jax.jit(lambda a: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                          jax.eval_shape(op, *a)))(args)
+    one = jnp.int32(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # donation is not implemented on CPU
+        compiled = looped(op).lower(one, args, outs).compile()
+    impl = custom_calls(compiled.as_text())
+    args, outs = compiled(one, args, outs)
+    first = copy(outs)
+    jax.block_until_ready((args, outs, first))
+    t = time.perf_counter()
+    args, outs = jax.block_until_ready(compiled(one, args, outs))
+    t1 = time.perf_counter() - t
+    n = jnp.int32(int(min(200, max(1, round(target_s / max(t1, 1e-6))))))
+    for _ in range(2):
+        args, outs = jax.block_until_ready(compiled(n, args, outs))
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        args, outs = jax.block_until_ready(compiled(n, args, outs))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) / int(n), first, impl
+
+
+# -- correctness -------------------------------------------------------------------------------
+@jax.jit
+def _rel_err(got, want, counts):
+    """max |got - want| / max |want| over live rows (padded [L, R, H]) or whole (weights)."""
+    got, want = got.astype(f32), want.astype(f32)
+    if got.ndim == 3 and counts is not None:
+        live = (jnp.arange(got.shape[1])[None, :] < counts[:, None])[..., None]
+        got, want = jnp.where(live, got, 0), jnp.where(live, want, 0)
+    err = jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-30)
+    return jnp.where(jnp.all(jnp.isfinite(got)), err, jnp.inf)
+
+
+_unpack = jax.jit(unpack_rows, static_argnums=2)
+
+
+def errors(case, layout, outs, ref, padded=True):
+    """Relative error of each output against ref's (einsum's: rows padded [L, R, H]; with
+    padded=False, ref is in the layout of outs); y and d x over the live rows only."""
+    errs = []
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        if i < 2 and layout == "packed":  # y and d x come packed: unpack the live rows
+            o = _unpack(o, case.counts, case.R)
+            r = r if padded else _unpack(r, case.counts, case.R)
+        errs.append(float(_rel_err(o, r, case.counts if i < 2 else None)))
+    return max(errs)
+
+
+def shard_map_check(option, case, tol):
+    """The option under jax.shard_map on a one-device mesh, as the MoE layer runs it: fwd and
+    grads against the plain call. '' when it matches."""
+    from jax.sharding import PartitionSpec as P
+
+    layout, mlp = option_fn(option)
+    op = fwd_bwd_op(mlp)
+    args = case.args(layout)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("ep",))
+    spec = (P("ep"),) * 5
+    sm = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=spec, out_specs=(P("ep"),) * 4))
+    err = errors(case, layout, sm(*args), jax.jit(op)(*args), padded=False)
+    return "" if err <= tol else f"under shard_map: relative error {err:.3g}"
+
+
+# -- the run -----------------------------------------------------------------------------------
+def short(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().replace("\n", " ")
+    return text[:600]
+
+
+def bench_option(case, option, ref, known_errors):
+    row = dict(config=case.name, tokens=case.tokens, option=option, L=case.L, live_rows=case.live,
+               padded_rows=case.L * case.R, packed_rows=case.T, impl="", fwd_us=None,
+               fwd_bwd_us=None, floor_us=round(case.floor_us, 2),
+               floor_fwd_bwd_us=round(case.floor_fwd_bwd_us, 2),
+               weight_read_us=round(case.weight_us, 2), flop_us=round(case.flop_us, 2),
+               err=None, correct=None, shard_map="", error="")
+    if option in known_errors:  # the same failure at every shape: not tried again
+        row["error"] = known_errors[option]
+        return row, None
+    if time.perf_counter() - T0 > ARGS.budget_s:
+        row["error"] = f"skipped: past the {ARGS.budget_s:.0f} s budget"
+        return row, None
+    flag_set = False
+    try:
+        if option == "ragged_dot_triton":
+            jax.config.update(TRITON_FLAG, True)
+            flag_set = True
+        layout, mlp = option_fn(option)
+        args = case.args(layout)
+        target = ARGS.target_ms / 1e3
+        fwd_s, fwd_out, impl = measure(fwd_op(mlp), args, ARGS.runs, target)
+        row["fwd_us"] = round(fwd_s * 1e6, 2)
+        fb_s, fb_out, impl_b = measure(fwd_bwd_op(mlp), args, ARGS.runs, target)
+        row["fwd_bwd_us"] = round(fb_s * 1e6, 2)
+        row["impl"] = impl if impl == impl_b else f"fwd {impl}, bwd {impl_b}"
+        if option == "masked":
+            row["impl"] = f"gather+{G.masked_inner()}({row['impl']})+scatter"
+        if ref is None:
+            ref = fb_out  # einsum: the reference
+        err = max(errors(case, layout, fwd_out, ref[:1]), errors(case, layout, fb_out, ref))
+        row["err"] = float(f"{err:.3g}")
+        row["correct"] = bool(err <= ARGS.tol)
+        if not row["correct"]:
+            row["error"] = f"incorrect: relative error {err:.3g} > {ARGS.tol}"
+        return row, fb_out
+    except Exception as e:  # noqa: BLE001 -- recorded, never a crash
+        row["error"] = short(e)
+        if isinstance(e, ImportError) or (option == "ragged_dot_triton" and not isinstance(
+                e, getattr(jax.errors, "JaxRuntimeError", ()))):
+            known_errors[option] = row["error"]  # not a size problem: the same everywhere
+        return row, None
+    finally:
+        if flag_set:
+            jax.config.update(TRITON_FLAG, False)
+
+
+def device_meta():
+    tk, why = G._tokamax()
+    d = jax.devices()[0]
+    return dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
+                jax=jax.__version__, platform=d.platform,
+                device=getattr(d, "device_kind", str(d)),
+                tokamax=getattr(tk, "__version__", None), tokamax_problem=why,
+                masked_inner=G.masked_inner(), gpu_auto=G.GPU_AUTO, runs=ARGS.runs,
+                target_ms=ARGS.target_ms, tol=ARGS.tol, hbm_bps=HBM_BPS,
+                peak_flops=PEAK_FLOPS, ranks=RANKS)
+
+
+def fmt(v, nd=1):
+    return "" if v is None else f"{v:.{nd}f}"
+
+
+def markdown(meta, rows):
+    out = [f"# Expert GEMM options, {meta['device']} ({meta['date']})", "",
+           f"jax {meta['jax']}, tokamax {meta['tokamax'] or '-'}"
+           f"{' (' + meta['tokamax_problem'] + ')' if meta['tokamax_problem'] else ''}; "
+           f"median of {meta['runs']} calls; floor = max(weights once / 4.0e12 B/s, "
+           "FLOPs / 700e12).", "",
+           "| config | tokens | live rows | option | impl | fwd µs | fwd+bwd µs | floor µs "
+           "| floor fwd+bwd µs | rel err | error |", "|" + "---|" * 11]
+    for r in rows:
+        out.append(f"| {r['config']} | {r['tokens']} | {r['live_rows']} | {r['option']} | "
+                   f"{r['impl']} | {fmt(r['fwd_us'])} | {fmt(r['fwd_bwd_us'])} | "
+                   f"{fmt(r['floor_us'], 2)} | {fmt(r['floor_fwd_bwd_us'], 2)} | "
+                   f"{'' if r['err'] is None else r['err']} | "
+                   f"{r['error'].replace('|', '/')[:200]} |")
+    for name, text in meta.get("shard_map", {}).items():
+        out.append(f"\nunder shard_map, {name}: {text or 'matches'}")
+    return "\n".join(out) + "\n"
+
+
+def main():
+    os.makedirs(ARGS.out, exist_ok=True)
+    meta = device_meta()
+    print(f"bench_gemm: {meta['device']}, jax {meta['jax']}, tokamax {meta['tokamax']} "
+          f"{meta['tokamax_problem'] or ''}", flush=True)
+    options = ARGS.options.split(",")
+    for o in options:
+        option_fn(o)  # a bad name fails before any work
+    rows, known_errors, shard_map = [], {}, {}
+    for name in ARGS.configs.split(","):
+        for tokens in (int(t) for t in ARGS.tokens.split(",")):
+            try:
+                case = Case(name, tokens)
+            except Exception as e:  # noqa: BLE001
+                rows += [dict(config=name, tokens=tokens, option=o, error=short(e), impl="",
+                              fwd_us=None, fwd_bwd_us=None, floor_us=None, err=None,
+                              floor_fwd_bwd_us=None, live_rows=None) for o in options]
+                continue
+            ref = None
+            for option in ["einsum"] + [o for o in options if o != "einsum"]:
+                row, out = bench_option(case, option, ref, known_errors)
+                if option == "einsum":
+                    ref = out
+                if option in options:
+                    rows.append(row)
+                    print(f"{name:7s} {tokens:4d} {option:18s} fwd {fmt(row['fwd_us']):>9s} "
+                          f"fwd+bwd {fmt(row['fwd_bwd_us']):>9s} "
+                          f"floor {fmt(row['floor_us'], 2):>7s} err {row['err']} {row['impl']} "
+                          f"{row['error'][:160]}", flush=True)
+                if option not in shard_map and option != "ragged_dot_triton" \
+                        and not row["error"]:
+                    try:  # once per option, at the first shape
+                        shard_map[option] = shard_map_check(option, case, ARGS.tol)
+                    except Exception as e:  # noqa: BLE001
+                        shard_map[option] = short(e)
+                    row["shard_map"] = shard_map[option] or "ok"
+            del case, ref
+    meta["shard_map"] = shard_map
+    meta["elapsed_s"] = round(time.perf_counter() - T0, 1)
+    with open(os.path.join(ARGS.out, "gemm.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    with open(os.path.join(ARGS.out, "gemm.md"), "w") as f:
+        f.write(markdown(meta, rows))
+    print(f"\n{'config':7s} {'tok':>4s} {'option':18s} {'fwd us':>9s} {'fwd+bwd':>9s} "
+          f"{'floor':>7s} {'err':>8s}  impl / error")
+    for r in rows:
+        print(f"{r['config']:7s} {r['tokens']:4d} {r['option']:18s} {fmt(r['fwd_us']):>9s} "
+              f"{fmt(r['fwd_bwd_us']):>9s} {fmt(r['floor_us'], 2):>7s} "
+              f"{'' if r['err'] is None else r['err']:>8}  {r['impl']} {r['error'][:100]}")
+    for o, text in shard_map.items():
+        print(f"shard_map {o}: {text or 'ok'}")
+    print(f"wrote {ARGS.out}/gemm.json, gemm.md in {meta['elapsed_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""The expert MLPs after dispatch, one function per grouped-GEMM option (issue 24).
+
+Every local expert e is a SiLU MLP, y = silu(x @ w_in[e]) @ w_out[e] over its own rows (bf16
+inputs, f32 accumulation, the hidden activation rounded to bf16). The MoE layer's
+`expert_gemm` option (MoELayerConfig(expert_gemm=...)) says how the two GEMMs run:
+
+- "einsum": a batched einsum over the padded layout [L, R, H]: every one of the L*R rows,
+  live or not (R = max_recv, the worst case: at R1 with 128 tokens per rank, 32x the live rows).
+- "ragged_dot": jax.lax.ragged_dot on packed rows [T, H] (group_sizes [L]). XLA lowers it as
+  a dense masked matmul over every local expert (on GPU unless a grouped-GEMM lowering is
+  switched on, always on CPU): L times the FLOPs of the T packed rows.
+- "tokamax": tokamax's ragged_dot on the packed rows (`pip install tokamax`): a grouped GEMM
+  over the live rows only (its Pallas Mosaic GPU kernel on Hopper; tokamax falls back to XLA's
+  ragged_dot where it has no kernel, e.g. on CPU). SiLU is fused into the first GEMM's
+  epilogue where tokamax can. Output rows past sum(group_sizes) are not written (undefined);
+  combine never reads them.
+- "masked": the padded layout with rows >= expert_num_tokens[e] skipped. Not a kernel of its
+  own: the live rows are gathered into a packed view (api.pack_rows), run through tokamax's
+  grouped GEMM (jax.lax.ragged_dot when tokamax is not installed) and scattered back
+  (api.unpack_rows). Padded in, padded out (zero past the counts): the FLOPs of the live rows
+  plus one gather and one scatter of them.
+- "auto": the fastest measured option on the platform: GPU_AUTO on a GPU (filled in from
+  benchmarks/bench_gemm.py on the H200; "einsum" when it needs tokamax and tokamax does not
+  import), CPU_AUTO elsewhere.
+
+Every option takes either layout: the padded [L, R, H] or the packed [T, H] (its rank tells).
+An option run on the other layout converts (a gather of the live rows and a scatter back), so
+pair the handle's layout with the option: "packed" for "tokamax"/"ragged_dot", "padded" for
+"einsum"/"masked". Gradients flow through every option (jax.grad).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .api import pack_rows, unpack_rows
+
+OPTIONS = ("auto", "einsum", "ragged_dot", "tokamax", "masked")
+# What "auto" runs on a GPU: the fastest option that benchmarks/bench_gemm.py measured on the
+# H200 (change it here). It falls back to "einsum" when it needs tokamax and tokamax does not
+# import.
+GPU_AUTO = "tokamax"
+# XLA:CPU expands ragged_dot densely (L x the FLOPs) and tokamax has no CPU kernel: the padded
+# einsum computes min(k, L) x fewer rows there.
+CPU_AUTO = "einsum"
+NEEDS_TOKAMAX = ("tokamax", "masked")
+# The layout each option computes on (the other one is converted to it and back).
+NATIVE_LAYOUT = {"einsum": "padded", "masked": "padded", "ragged_dot": "packed",
+                 "tokamax": "packed"}
+
+f32, bf16 = jnp.float32, jnp.bfloat16
+
+
+def check_option(option: str) -> str:
+    """option, or a ValueError naming the choices."""
+    if option not in OPTIONS:
+        raise ValueError(
+            f"expert_gemm={option!r}; expected one of {OPTIONS}: 'einsum' (padded batched "
+            "einsum over every row), 'ragged_dot' (jax.lax.ragged_dot on packed rows), "
+            "'tokamax' (tokamax's grouped GEMM on packed rows: pip install tokamax), 'masked' "
+            "(padded layout, only the live rows computed), 'auto' (the fastest measured on "
+            "this platform)")
+    return option
+
+
+@functools.cache
+def _tokamax():
+    """(tokamax module, None), or (None, why it cannot be used)."""
+    try:
+        import tokamax
+    except Exception as e:  # noqa: BLE001 -- a missing dependency of tokamax raises anything
+        return None, f"import tokamax failed: {type(e).__name__}: {e}"
+    if not hasattr(tokamax, "ragged_dot"):
+        return None, (f"the installed tokamax {getattr(tokamax, '__version__', '?')} has no "
+                      "ragged_dot (tokamax 0.1.0 is an empty placeholder: install 0.0.x)")
+    _parse_tokamax_flags()
+    return tokamax, None
+
+
+def _parse_tokamax_flags():
+    """tokamax reads its absl flags on first use and, before 0.0.17 (the last release for
+    Python 3.11), parses the whole sys.argv to do so: the host program's own arguments (pytest
+    -q, --out ...) then raise UnrecognizedFlagError. Parse only its --tokamax_* arguments
+    first, as 0.0.17 does itself; a program that parses absl flags later still can."""
+    import sys
+
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        ours = [a for a in sys.argv[1:] if a.startswith("--tokamax_")]
+        flags.FLAGS(sys.argv[:1] + ours, known_only=True)
+
+
+def tokamax_problem() -> str | None:
+    """None when the "tokamax" option can run, else why not."""
+    return _tokamax()[1]
+
+
+def _require_tokamax():
+    tk, why = _tokamax()
+    if tk is None:
+        raise ImportError(f"expert_gemm='tokamax' (and 'masked') needs tokamax: "
+                          f"pip install tokamax ({why}), or pick expert_gemm='einsum' or "
+                          "'ragged_dot'")
+    return tk
+
+
+def resolve(option: str = "auto", platform: str | None = None) -> str:
+    """The option "auto" stands for on `platform` (default: jax.default_backend()); any other
+    option unchanged."""
+    check_option(option)
+    if option != "auto":
+        return option
+    platform = platform or jax.default_backend()
+    if platform in ("gpu", "cuda", "rocm"):
+        if GPU_AUTO in NEEDS_TOKAMAX and tokamax_problem() is not None:
+            return "einsum"
+        return GPU_AUTO
+    return CPU_AUTO
+
+
+# -- one function per option, each on its own layout ------------------------------------------
+def einsum_mlp(x, w_in, w_out, out_dtype=f32):
+    """"einsum": padded x [L, R, H] -> [L, R, H], every row computed."""
+    h = jax.nn.silu(jnp.einsum("lrh,lhf->lrf", x, w_in, preferred_element_type=f32))
+    y = jnp.einsum("lrf,lfh->lrh", h.astype(bf16), w_out, preferred_element_type=f32)
+    return y.astype(out_dtype)
+
+
+def ragged_dot_mlp(x, group_sizes, w_in, w_out, out_dtype=f32):
+    """"ragged_dot": packed x [T, H] (group_sizes [L] rows per expert) -> [T, H]; rows past
+    sum(group_sizes) are zero."""
+    gs = group_sizes.astype(jnp.int32)
+    h = jax.nn.silu(jax.lax.ragged_dot(x, w_in, gs, preferred_element_type=f32))
+    y = jax.lax.ragged_dot(h.astype(bf16), w_out, gs, preferred_element_type=f32)
+    return y.astype(out_dtype)
+
+
+def tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype=f32, implementation=None):
+    """"tokamax": packed x [T, H] -> [T, H] through tokamax.ragged_dot; rows past
+    sum(group_sizes) are undefined. implementation: tokamax's (None: its own choice)."""
+    tk = _require_tokamax()
+    gs = group_sizes.astype(jnp.int32)
+    kw = {} if implementation is None else {"implementation": implementation}
+    try:
+        # SiLU in f32 on the accumulator, then bf16: what einsum_mlp does, fused where it can.
+        h = tk.ragged_dot(x, w_in, gs, preferred_element_type=bf16, activation=jax.nn.silu,
+                          **kw)
+        return tk.ragged_dot(h, w_out, gs, preferred_element_type=out_dtype, **kw)
+    except Exception as e:  # NotImplementedError, or an ExceptionGroup of them
+        if not isinstance(e, NotImplementedError) and type(e).__name__ != "ExceptionGroup":
+            raise
+        raise NotImplementedError(
+            f"tokamax has no ragged_dot for x {x.dtype}{list(x.shape)}, w "
+            f"{w_in.dtype}{list(w_in.shape)} on {jax.default_backend()} ({e}): pick "
+            "expert_gemm='einsum' or 'ragged_dot'") from e
+
+
+def _grouped_mlp(x, group_sizes, w_in, w_out, out_dtype):
+    """The grouped GEMM under "masked": tokamax's when it imports, else XLA's ragged_dot."""
+    if tokamax_problem() is None:
+        return tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype)
+    return ragged_dot_mlp(x, group_sizes, w_in, w_out, out_dtype)
+
+
+def masked_inner() -> str:
+    """Which grouped GEMM "masked" runs here: "tokamax" or "ragged_dot"."""
+    return "tokamax" if tokamax_problem() is None else "ragged_dot"
+
+
+def masked_mlp(x, counts, w_in, w_out, out_dtype=f32, total_rows: int | None = None):
+    """"masked": padded x [L, R, H] -> [L, R, H], only rows r < counts[e] computed (zero past
+    them): gathered into a packed view of total_rows rows (default L*R; pass the most that can
+    be live, MoEConfig.max_recv_total), one grouped GEMM, scattered back."""
+    return _via_packed(_grouped_mlp, x, counts, w_in, w_out, out_dtype, total_rows)
+
+
+def _via_packed(fn, x, counts, w_in, w_out, out_dtype, total_rows):
+    """A packed-rows fn on padded x: pack the live rows, fn, unpack (zero past the counts)."""
+    L, R = x.shape[:2]
+    packed = pack_rows(x, counts, total_rows or L * R)
+    return unpack_rows(fn(packed, counts, w_in, w_out, out_dtype), counts, R)
+
+
+# -- the layer's entry point -----------------------------------------------------------------
+def expert_mlp(x, counts, w_in, w_out, option: str = "auto", *, out_dtype=f32,
+               rows_per_expert: int | None = None, total_rows: int | None = None):
+    """This rank's experts on dispatch's rows, in x's layout, through `option` (OPTIONS).
+
+    x: padded [L, R, H] (row r of expert e live for r < counts[e]) or packed [T, H] (expert
+    0's rows, then 1's, ...; counts = group_sizes), bf16. w_in [L, H, F], w_out [L, F, H] bf16.
+    Returns [L, R, H] or [T, H] in out_dtype; only the live rows are defined.
+    rows_per_expert (MoEConfig.max_recv_tokens) and total_rows (MoEConfig.max_recv_total)
+    size the other layout when the option converts (defaults: T, and L*R).
+    """
+    option = resolve(option)
+    packed_fn = _grouped_mlp if option == "masked" else _PACKED_FNS.get(option)
+    if x.ndim == 3:  # padded
+        if option == "einsum":
+            return einsum_mlp(x, w_in, w_out, out_dtype)
+        return _via_packed(packed_fn, x, counts, w_in, w_out, out_dtype, total_rows)
+    if option == "einsum":  # packed rows through the padded einsum, and back
+        padded = unpack_rows(x, counts, rows_per_expert or x.shape[0])
+        return pack_rows(einsum_mlp(padded, w_in, w_out, out_dtype), counts, x.shape[0])
+    return packed_fn(x, counts, w_in, w_out, out_dtype)  # "masked" on packed rows: no gather
+
+
+_PACKED_FNS = {"ragged_dot": ragged_dot_mlp, "tokamax": tokamax_mlp}

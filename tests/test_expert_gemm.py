@@ -1,0 +1,186 @@
+"""The grouped-GEMM options of the expert MLPs (expert_gemm.py, issue 24) against the padded
+einsum, on CPU: forward and gradients on ragged group sizes with empty and full experts, on
+both layouts, alone and through the MoE layer (reference backend, jax.grad through dispatch
+and combine).
+
+Tolerance: every option rounds the hidden activation to bf16 like the einsum, but sums in
+another order and (tokamax's unfused path) applies SiLU after that rounding, so results agree
+to a few bf16 ulps: max |option - einsum| <= 2e-2 x max |einsum| per tensor (forward and each
+gradient), the bound the layer tests use for bf16.
+"""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from jax_moe_comm import AllToAll, expert_gemm
+from jax_moe_comm import testing as T
+from jax_moe_comm.moe import MoELayerConfig, init_params
+
+RTOL = 2e-2
+OPTIONS = ("einsum", "ragged_dot", "tokamax", "masked")
+TOKAMAX = expert_gemm.tokamax_problem()
+needs_tokamax = pytest.mark.skipif(TOKAMAX is not None, reason=f"tokamax unusable: {TOKAMAX}")
+
+
+def marks(option):
+    return [needs_tokamax] if option == "tokamax" else []
+
+
+def close(name, got, want, rtol=RTOL):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.all(np.isfinite(got)), f"{name}: not finite"
+    scale = max(float(np.abs(want).max()), 1e-6)
+    err = float(np.abs(got - want).max()) / scale
+    assert err <= rtol, f"{name}: max |got - want| = {err:.3g} of max |want| {scale:.3g}"
+    return err
+
+
+# -- the functions alone ---------------------------------------------------------------------
+L, R, H, F = 4, 6, 32, 48
+COUNTS = np.array([3, 0, 6, 1], np.int32)  # an empty expert, a full one
+TOTAL = 12  # packed rows: more than sum(COUNTS), as dispatch gives them
+
+
+def padded_data(seed=0):
+    """x [L, R, H] random in every row (dead rows too: they must not matter), weights, and the
+    output cotangent, zero on dead rows (combine never reads them)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((L, R, H)).astype(jnp.bfloat16)
+    w_in = (rng.standard_normal((L, H, F)) / np.sqrt(H)).astype(jnp.bfloat16)
+    w_out = (rng.standard_normal((L, F, H)) / np.sqrt(F)).astype(jnp.bfloat16)
+    live = np.arange(R)[None, :] < COUNTS[:, None]
+    g = rng.standard_normal((L, R, H)).astype(np.float32) * live[..., None]
+    return x, w_in, w_out, g, live
+
+
+def to_packed(a, live):
+    """[L, R, ...] -> [TOTAL, ...]: live rows of expert 0, then 1, ..., zero after them."""
+    rows = a[live]
+    out = np.zeros((TOTAL,) + a.shape[2:], a.dtype)
+    out[:len(rows)] = rows
+    return out
+
+
+def to_padded(a, live):
+    out = np.zeros(live.shape + a.shape[1:], np.float32)
+    out[live] = np.asarray(a, np.float32)[:live.sum()]
+    return out
+
+
+def run(option, layout, x, w_in, w_out, g):
+    """(y, dx, dw_in, dw_out) of sum(g * mlp(x)), y f32 in the layout's shape."""
+    counts = jnp.asarray(COUNTS)
+
+    def f(x, w_in, w_out):
+        return expert_gemm.expert_mlp(x, counts, w_in, w_out, option, rows_per_expert=R,
+                                      total_rows=TOTAL)
+
+    def loss(x, w_in, w_out):
+        return jnp.sum(g * f(x, w_in, w_out))
+
+    y = jax.jit(f)(x, w_in, w_out)
+    return (y,) + jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w_in, w_out)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    x, w_in, w_out, g, live = padded_data()
+    y, dx, dwi, dwo = run("einsum", "padded", x, w_in, w_out, g)
+    return (x, w_in, w_out, g, live), (np.asarray(y) * live[..., None], np.asarray(dx, np.float32)
+                                       * live[..., None], dwi, dwo)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("option", [pytest.param(o, marks=marks(o)) for o in OPTIONS])
+def test_option_matches_einsum_forward_and_gradients(option, layout, reference):
+    (x, w_in, w_out, g, live), (y_ref, dx_ref, dwi_ref, dwo_ref) = reference
+    if layout == "packed":
+        y, dx, dwi, dwo = run(option, layout, to_packed(x, live), w_in, w_out, to_packed(g, live))
+        if option != "tokamax":  # tokamax leaves rows past the live ones unwritten
+            assert not np.asarray(y)[live.sum():].any(), "rows past the live ones not zero"
+        y, dx = to_padded(y, live), to_padded(dx, live)
+    else:
+        y, dx, dwi, dwo = run(option, layout, x, w_in, w_out, g)
+        y, dx = np.asarray(y), np.asarray(dx, np.float32)
+        if option != "einsum":  # computed only for live rows, zero past them
+            assert not y[~live].any(), "rows past the counts not zero"
+        y, dx = y * live[..., None], dx * live[..., None]
+    close("y", y, y_ref)
+    close("d x", dx, dx_ref)
+    close("d w_in", dwi, dwi_ref)
+    close("d w_out", dwo, dwo_ref)
+    empty = 1  # COUNTS[1] == 0
+    assert not np.asarray(dwi)[empty].any() and not np.asarray(dwo)[empty].any(), \
+        "an empty expert got a gradient"
+
+
+def test_bad_option_names_raise_listing_the_choices():
+    for bad in ("cublas", "", "Tokamax"):
+        with pytest.raises(ValueError, match="expected one of .*'einsum'.*'tokamax'.*'masked'"):
+            MoELayerConfig(expert_gemm=bad)
+        with pytest.raises(ValueError, match="expected one of"):
+            expert_gemm.resolve(bad)
+    with pytest.raises(ValueError, match="expert_gemm='ragged'"):
+        expert_gemm.expert_mlp(jnp.zeros((2, 4)), jnp.zeros(1, jnp.int32),
+                               jnp.zeros((1, 4, 4)), jnp.zeros((1, 4, 4)), "ragged")
+
+
+def test_auto_is_one_measured_option_per_platform():
+    assert expert_gemm.GPU_AUTO in OPTIONS and expert_gemm.CPU_AUTO in OPTIONS
+    assert MoELayerConfig().expert_gemm == "auto"
+    assert expert_gemm.resolve("auto", "cpu") == expert_gemm.CPU_AUTO == "einsum"
+    gpu = expert_gemm.resolve("auto", "gpu")
+    if expert_gemm.GPU_AUTO in expert_gemm.NEEDS_TOKAMAX and TOKAMAX is not None:
+        assert gpu == "einsum"
+    else:
+        assert gpu == expert_gemm.GPU_AUTO
+    assert expert_gemm.resolve("ragged_dot", "gpu") == "ragged_dot"
+
+
+def test_tokamax_missing_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(expert_gemm, "_tokamax", lambda: (None, "import tokamax failed: no"))
+    x, w_in, w_out, g, live = padded_data()
+    with pytest.raises(ImportError, match="pip install tokamax"):
+        expert_gemm.expert_mlp(to_packed(x, live), jnp.asarray(COUNTS), w_in, w_out, "tokamax")
+    assert expert_gemm.resolve("auto", "gpu") == ("einsum" if expert_gemm.GPU_AUTO in
+                                                  expert_gemm.NEEDS_TOKAMAX
+                                                  else expert_gemm.GPU_AUTO)
+    assert expert_gemm.masked_inner() == "ragged_dot"  # "masked" still runs, on XLA's GEMM
+
+
+# -- through the MoE layer: jax.grad through dispatch, the experts and combine ----------------
+LAYER = dict(num_experts=8, experts_per_token=3, hidden=64, ffn=96, max_num_tokens=6)
+WORLD = 2
+LAYER_CASES = [("einsum", "packed"), ("ragged_dot", "packed"), ("tokamax", "packed"),
+               ("masked", "padded"), ("tokamax", "padded")]
+
+
+def layer_grads(option, layout):
+    cfg = MoELayerConfig(**LAYER, expert_gemm=option)
+    mesh = T.make_mesh(WORLD)
+    a2a = AllToAll(cfg.comm_config(WORLD), differentiable=True, layout=layout)
+    params = [init_params(cfg, 3)]
+    x, nt, G, drop = T.layer_grad_inputs(cfg, WORLD, 7, drop_rate=0.2)
+    try:
+        return T.run_layer_grads(a2a, cfg, mesh, params, x, nt, G, drop)
+    finally:
+        a2a.close()
+
+
+@pytest.fixture(scope="module")
+def einsum_layer():
+    return layer_grads("einsum", "padded")
+
+
+@pytest.mark.parametrize("option,layout",
+                         [pytest.param(o, lay, marks=marks(o)) for o, lay in LAYER_CASES])
+def test_layer_gradients_match_the_einsum_option(option, layout, einsum_layer):
+    (grads,), dx = layer_grads(option, layout)
+    (want,), want_dx = einsum_layer
+    for rank in range(WORLD):
+        for name, g in grads[rank].items():
+            close(f"rank {rank} d {name}", g, want[rank][name])
+        close(f"rank {rank} d x", dx[rank], want_dx[rank])
