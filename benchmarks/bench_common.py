@@ -42,8 +42,20 @@ def measure_host_call_us(mesh, world: int, per_rank=lambda v: v + 1,
     return max(kv_gather(f"host_call:{tag}", host_us))
 
 
+def fit_line(points):
+    """Least-squares (a, b) of y = a + b * K over [(K, y)]; (None, None) without 2 distinct K."""
+    pts = [(k, y) for k, y in points if y is not None]
+    if len({k for k, _ in pts}) < 2:
+        return None, None
+    n = len(pts)
+    sx, sy = sum(k for k, _ in pts), sum(y for _, y in pts)
+    sxx, sxy = sum(k * k for k, _ in pts), sum(k * y for k, y in pts)
+    b = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+    return (sy - b * sx) / n, b
+
+
 def git_commit() -> str:
-    """GIT_COMMIT if set (on the GPU machine `git rev-parse` can name a stale commit), else git's."""
+    """GIT_COMMIT if set (on the GPU machine `git rev-parse` may name a stale commit), else git."""
     env = os.environ.get("GIT_COMMIT")
     if env:
         return env

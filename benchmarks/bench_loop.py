@@ -48,25 +48,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from bench_common import CONFIGS, git_commit, kv_gather, measure_host_call_us  # noqa: E402
+from bench_common import CONFIGS, fit_line, git_commit, kv_gather, measure_host_call_us  # noqa: E402
 from jax_moe_comm import AllToAll, MoEConfig, native, order_after  # noqa: E402
 from jax_moe_comm import testing as T  # noqa: E402
 from jax_moe_comm.backends.nvshmem import event_elapsed_us, record_event  # noqa: E402
 from timeline import format_timeline, phase_timeline  # noqa: E402
 
 VARIANTS = ("graph", "graph+barrier")
-
-
-def fit_line(points):
-    """Least-squares (a, b) of y = a + b * K over [(K, y)]; (None, None) without 2 distinct K."""
-    pts = [(k, y) for k, y in points if y is not None]
-    if len({k for k, _ in pts}) < 2:
-        return None, None
-    n = len(pts)
-    sx, sy = sum(k for k, _ in pts), sum(y for _, y in pts)
-    sxx, sxy = sum(k * k for k, _ in pts), sum(k * y for k, y in pts)
-    b = (n * sxy - sx * sy) / (n * sxx - sx * sx)
-    return (sy - b * sx) / n, b
 
 
 class Case:

@@ -51,7 +51,7 @@ def main(out_md: str, *labelled: str) -> int:
     head = ["config", "tokens", "ours graph", "pplx graph", "ours / pplx graph", "ours +barrier",
             "pplx graph+barrier", "ours / pplx (+barrier)", "pplx eager"]
     head += [f"{label} graph" for label in others] + [f"ours / {label}" for label in others]
-    lines = [f"# dispatch + combine per cycle (µs, slope over K), one clock for both", "",
+    lines = ["# dispatch + combine per cycle (µs, slope over K), one clock for both", "",
              f"ours: commit {data['ours'][1].get('commit')}, {data['ours'][1].get('date')}; "
              f"pplx-kernels @{str(data['pplx'][1].get('commit'))[:7]}, "
              f"{data['pplx'][1].get('date')}; GPU {data['ours'][1].get('gpu')}, "

@@ -39,10 +39,13 @@ import jax.numpy as jnp
 from .api import pack_rows, unpack_rows
 
 OPTIONS = ("auto", "einsum", "ragged_dot", "tokamax", "masked")
-# What "auto" runs on a GPU: the fastest option that benchmarks/bench_gemm.py measured on the
-# H200 (change it here). It falls back to "einsum" when it needs tokamax and tokamax does not
-# import.
-GPU_AUTO = "tokamax"
+# What "auto" runs on a GPU: the fastest option that benchmarks/bench_gemm.py measured correct on
+# the H200 (change it here). Measured 2026-12-04 (benchmarks/results/2026-12-04-47ffc9f-loop/
+# gemm.md, tokamax 0.0.17, jax 0.11.2): tokamax was fastest forward at R1 1 and 128 tokens but
+# wrong at 128 tokens per rank (relative error 0.52 at V2-Lite and R1) and its VJP refused
+# shard_map's varying manual axes, so the layer cannot use it yet; ragged_dot is 1.1-7x slower
+# than the padded einsum. "einsum" until a grouped GEMM passes both checks there.
+GPU_AUTO = "einsum"
 # XLA:CPU expands ragged_dot densely (L x the FLOPs) and tokamax has no CPU kernel: the padded
 # einsum computes min(k, L) x fewer rows there.
 CPU_AUTO = "einsum"
