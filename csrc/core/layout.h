@@ -5,7 +5,7 @@
 // (1, 2, ...), so a late write of cycle i can never satisfy a wait of cycle i + 1.
 //
 //   abort_word      [1]            u64  a failing rank SETs abort_value(code, rank) here, everywhere
-//   dispatch_count  [G]            u64  sender of group g SETs (epoch << 32) | records it sent
+//   dispatch_count  [G]            u64  sender of group g SETs count_word(epoch, records)
 //   dispatch_flag   [G][max_m]     u64  record slot (g, i) SET to epoch after its bytes
 //   dispatch_ack    [world]        u64  receiver r SETs epoch once it has read our records
 //   combine_flag    [max_m][k]     u64  slot (t, j) SET to epoch after its expert row
@@ -168,9 +168,14 @@ __host__ __device__ inline int32_t pack_source(int group, int token, int slot, i
   return (group * max_m + token) * k + slot;
 }
 
-// A dispatch count word: the epoch it belongs to and the number of records.
-__host__ __device__ inline uint64_t count_word(uint64_t epoch, uint32_t count) {
-  return (epoch << 32) | count;
+// A dispatch count word: the epoch it belongs to and the number of records (<= max_m), as
+// epoch * (max_m + 1) + count, so it grows with the epoch and a wait for ">= this cycle's
+// word with 0 records" works. The 32-bit epoch field it replaces wrapped after 2^32 cycles (one
+// handle serves every layer: 58 layers x 50 steps/s is 17 days); this one wraps after
+// 2^64 / (max_m + 1) cycles: 1.4e17 at max_m = 128, 10 years at 10^6 cycles/s up to
+// max_m = 58,000.
+__host__ __device__ inline uint64_t count_word(uint64_t epoch, uint32_t count, int max_m) {
+  return epoch * (static_cast<uint64_t>(max_m) + 1) + count;
 }
 
 }  // namespace jmc

@@ -6,8 +6,8 @@
 // 2. Symmetric memory, epoch e: local dispatch_count[g], dispatch_flag[g][i], recv_records[g][i]
 //    (written by the sender of group g, s_g = g * dp + rank % dp); on s_g: dispatch_ack[rank].
 // 3. Step 1, every block: one thread per group waits (bounded) for dispatch_count[g] to carry
-//    epoch e; its low word n_g (<= max_m, checked) is how many records come. A prefix over the
-//    groups goes to shared memory.
+//    epoch e (count_word, core/layout.h); its record count n_g is how many records come. A
+//    prefix over the groups goes to shared memory.
 //    A sender reachable by load/store published its count after all its records (release), so
 //    the count's acquire is all a block needs before reading them; a staged sender's records
 //    each carry a flag.
@@ -54,17 +54,15 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
     if (ok) {
       const int sender = g * dp + c.rank % dp;
       uint64_t seen = 0;
-      const Wait r = wait_ge(c, &sym.dispatch_count[g], count_word(epoch, 0), deadline, &seen);
-      if (check_wait(c, r, kPhaseDispatchRecv, sender, -1, count_word(epoch, 0), seen,
-                     kWhatCount)) {
-        n = static_cast<uint32_t>(seen & 0xffffffffu);
-        if ((seen >> 32) != epoch) {
-          fail(c, kCorruptData, kPhaseDispatchRecv, sender, -1, epoch, seen >> 32, kWhatEpoch);
-          n = 0;
-        } else if (n > static_cast<uint32_t>(s.max_num_tokens)) {
-          fail(c, kCorruptData, kPhaseDispatchRecv, sender, -1, s.max_num_tokens, n,
-               kWhatCount);
-          n = 0;
+      const uint64_t want = count_word(epoch, 0, s.max_num_tokens);
+      const Wait r = wait_ge(c, &sym.dispatch_count[g], want, deadline, &seen);
+      if (check_wait(c, r, kPhaseDispatchRecv, sender, -1, want, seen, kWhatCount)) {
+        // seen >= want; more than max_m above it is a later cycle's word (no division needed)
+        if (seen - want > static_cast<uint64_t>(s.max_num_tokens)) {
+          fail(c, kCorruptData, kPhaseDispatchRecv, sender, -1,
+               count_word(epoch, s.max_num_tokens, s.max_num_tokens), seen, kWhatCount);
+        } else {
+          n = static_cast<uint32_t>(seen - want);
         }
       }
     }
@@ -137,7 +135,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
 
   // Step 3: the last block publishes the counts and acknowledges every sender. The abort word
   // is read before the block barrier, overlapping the other warps' copies.
-  const bool healthy = !poisoned(c);
+  const bool healthy = ok && !poisoned(c);  // (a refused launch acknowledges nothing)
   if (!is_last_block(c, kDispatchRecvKernel)) return;
   for (int e = threadIdx.x; e < L; e += blockDim.x) {
     const uint32_t filled = one_block ? fill[e] : atomicExch(&fill[e], 0u);

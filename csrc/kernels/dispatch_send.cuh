@@ -12,7 +12,8 @@
 //                                         so its slots and our staged copies are free again.
 //      on d_g recv_records[my_group][i]   the record (header, payload, scales),
 //             dispatch_flag[my_group][i]  SET e after the record's bytes (staged records only),
-//             dispatch_count[my_group]    SET (e << 32) | records sent to d_g, by the last block.
+//             dispatch_count[my_group]    SET count_word(e, records sent to d_g) (layout.h),
+//                                         by the last block.
 // 4. Work items are (token t, destination g) pairs, t < num_tokens, strided over all warps of
 //    the grid, so one token's copies travel in parallel. A pair whose token has no expert on
 //    d_g is skipped. The warp takes a slot (atomicAdd on the destination's send count: in
@@ -137,12 +138,13 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) 
 
   // Step 3: the last block publishes the per-destination counts and closes the launch. The
   // abort word is read before the block barrier, so its load overlaps the other warps' work.
-  const bool publish = !poisoned(c);
+  const bool publish = ok && !poisoned(c);  // (a refused launch publishes nothing)
   if (!is_last_block(c, kDispatchSendKernel)) return;
   for (int g = threadIdx.x; g < G; g += blockDim.x) {
     const uint32_t count = one_block ? send_count[g] : atomicExch(&send_count[g], 0u);
     if (publish)
-      set_flag(c, &sym.dispatch_count[my_group], count_word(epoch, count), g * dp + my_member);
+      set_flag(c, &sym.dispatch_count[my_group], count_word(epoch, count, s.max_num_tokens),
+               g * dp + my_member);
   }
   finish_launch(c, kDispatchSendKernel, epoch);
 }
