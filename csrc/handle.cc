@@ -8,12 +8,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <vector>
 
 namespace jmc {
 namespace {
 
 std::mutex g_mutex;  // guards the maps and the id counter
 std::map<int64_t, std::shared_ptr<Handle>> g_handles;
+std::map<int64_t, std::shared_ptr<Handle>> g_closed;  // closed handles' kept local state
 std::map<int64_t, std::shared_ptr<DenseHandle>> g_dense;
 int64_t g_next_id = 1;  // per-process counter: same sequence on every process
 
@@ -134,6 +136,39 @@ std::string allocate_local(Handle* h) {
   return "";
 }
 
+// This rank's copy of the protocol state as if `epoch` cycles had completed: every flag zero
+// except the acknowledgements from every peer (SET to `epoch`, so the next cycle's sends do not
+// wait), every launch count at `epoch`, tickets, barrier epoch, counters and the error record
+// clear. Local: callers put it between barriers of all ranks.
+std::string reset_protocol_state(Handle* h, uint64_t epoch) {
+  const Shape& s = h->shape;
+  cudaError_t err = cudaMemset(h->symmetric, 0, h->sym.flag_bytes());
+  if (err != cudaSuccess) return cuda_failure(err, "cudaMemset(flags)");
+  if (epoch != 0) {
+    const std::vector<uint64_t> acks(s.world_size, epoch);
+    for (uint64_t* ack : {h->sym.dispatch_ack, h->sym.combine_ack}) {
+      err = cudaMemcpy(ack, acks.data(), acks.size() * sizeof(uint64_t), cudaMemcpyHostToDevice);
+      if (err != cudaSuccess) return cuda_failure(err, "cudaMemcpy(acks)");
+    }
+  }
+  DeviceState state{};
+  err = cudaMemcpy(&state, h->scratch.state, sizeof(state), cudaMemcpyDeviceToHost);
+  if (err != cudaSuccess) return cuda_failure(err, "cudaMemcpy(state)");
+  const uint32_t timing_opened = state.timing_opened;  // the benchmark's counter stays
+  state = DeviceState{};
+  for (uint64_t& e : state.epoch) e = epoch;
+  state.timing_opened = timing_opened;
+  err = cudaMemcpy(h->scratch.state, &state, sizeof(state), cudaMemcpyHostToDevice);
+  if (err != cudaSuccess) return cuda_failure(err, "cudaMemcpy(state)");
+  const size_t counters = sizeof(uint32_t) * (s.num_dp_groups() + s.num_local_experts());
+  err = cudaMemset(h->scratch.send_count, 0, counters);
+  if (err != cudaSuccess) return cuda_failure(err, "cudaMemset(counters)");
+  err = cudaDeviceSynchronize();
+  if (err != cudaSuccess) return cuda_failure(err, "cudaDeviceSynchronize");
+  *h->error_host = ErrorRecord{};  // after the sync: no kernel of ours writes it any more
+  return "";
+}
+
 void free_local(Handle* h) {
   if (h->scratch_memory) cudaFree(h->scratch_memory);
   if (h->timings) cudaFree(h->timings);
@@ -166,7 +201,7 @@ std::string validate_shape(const Shape& s) {
 }
 
 std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns, bool staged,
-                          int64_t* id_out) {
+                          uint64_t start_epoch, int64_t* id_out) {
   *id_out = 0;
   const std::string bad = validate_shape(shape);
   if (!bad.empty()) return bad;
@@ -212,8 +247,7 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
     h->sym = SymmetricLayout::carve(shape, staged, h->symmetric, &bytes);
     for (int pe = 0; pe < std::min(shape.world_size, kMaxPeerTable); ++pe)
       h->peers.base[pe] = static_cast<uint8_t*>(nvshmem_ptr(h->symmetric, pe));
-    const cudaError_t err = cudaMemset(h->symmetric, 0, h->sym.flag_bytes());
-    if (err != cudaSuccess && error.empty()) error = cuda_failure(err, "cudaMemset(flags)");
+    if (error.empty()) error = reset_protocol_state(h.get(), start_epoch);
   }
   const cudaError_t err = cudaDeviceSynchronize();
   if (err != cudaSuccess && error.empty()) error = cuda_failure(err, "cudaDeviceSynchronize");
@@ -242,8 +276,42 @@ std::string destroy_handle(int64_t id) {
   nvshmem_barrier_all();  // nobody still writes into our buffers
   if (h->symmetric) nvshmem_free(h->symmetric);
   h->symmetric = nullptr;
-  free_local(h.get());
-  return "";
+  if (h->scratch.state == nullptr) {  // creation failed before the local state existed
+    free_local(h.get());
+    return "";
+  }
+  // Kept for the life of the process (a few KB and the timing rows): a command buffer recorded
+  // before close() may still replay our launches with these addresses (DeviceState::closed).
+  const uint32_t closed = 1;
+  const cudaError_t err = cudaMemcpy(&h->scratch.state->closed, &closed, sizeof(closed),
+                                     cudaMemcpyHostToDevice);
+  *h->error_host = ErrorRecord{};  // after the sync above: a stale launch records afresh
+  std::lock_guard<std::mutex> g(g_mutex);
+  g_closed[id] = h;
+  return err == cudaSuccess ? "" : cuda_failure(err, "cudaMemcpy(closed)");
+}
+
+std::string recover_handle(int64_t id) {
+  const std::shared_ptr<Handle> h = find_handle(id);
+  if (h == nullptr) return "no open handle with id " + std::to_string(id);
+  std::lock_guard<std::mutex> lock(h->mutex);  // no handler is mid-call
+  if (!h->create_error.empty()) return "its creation failed: " + h->create_error;
+  // Our kernels end within their timeout (every wait is bounded, and they give up at once when
+  // the abort word is set), so these return; after the barrier no rank's kernel still runs
+  // and every put has landed (nvshmem_barrier_all completes them).
+  const cudaError_t err = cudaDeviceSynchronize();
+  nvshmem_barrier_all();
+  std::string error =
+      err == cudaSuccess ? reset_protocol_state(h.get(), 0) : cuda_failure(err, "sync");
+  nvshmem_barrier_all();  // every rank is clean before any rank's next cycle signals
+  return error;
+}
+
+std::string closed_handle_error(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_closed.find(id);
+  if (it == g_closed.end() || it->second->error_host == nullptr) return "";
+  return describe_error(*it->second->error_host, it->second->rank);
 }
 
 bool probe_peers_p2p() {
@@ -321,9 +389,9 @@ const char* what_name(uint32_t what) {
 }
 
 const char* code_name(uint32_t code) {
-  static const char* kCodes[] = {"Ok", "PeerTimeout", "InvalidRouting", "InvalidRouting",
-                                 "CorruptData", "PeerAborted", "ProtocolError"};
-  return code < 7 ? kCodes[code] : "Unknown";
+  static const char* kCodes[] = {"Ok",          "PeerTimeout", "InvalidRouting", "InvalidRouting",
+                                 "CorruptData", "PeerAborted", "ProtocolError",  "ProtocolError"};
+  return code < 8 ? kCodes[code] : "Unknown";
 }
 
 // What a kOutOfOrder launch broke, by the phase it was refused in.
@@ -373,6 +441,10 @@ std::string describe_error(const ErrorRecord& rec, int rank) {
       return "PeerAborted: " + where + peer + " reported " + code_name(rec.expected) +
              " first, so this rank stopped waiting (see rank " + std::to_string(rec.peer) +
              "'s error)";
+    case kStaleLaunch:
+      return "ProtocolError: " + where + "a launch on handle after close() (a compiled step "
+             "replayed a recorded launch); it did nothing, and the step's outputs on this rank "
+             "are not data (y is NaN)";
     case kOutOfOrder:
       return "ProtocolError: " + where + out_of_order_reason(rec.phase) + " (sends completed " +
              std::to_string(rec.expected) + ", receives completed " + std::to_string(rec.seen) +

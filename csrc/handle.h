@@ -69,9 +69,23 @@ struct DenseHandle {
 // rank takes part in the collective allocation and barrier whatever happens locally, and the
 // handle is registered (*id_out) even when this rank's part failed, so that every rank can
 // then destroy it collectively.
+// start_epoch (tests): the handle starts as if `start_epoch` cycles had completed (every launch
+// count, and this rank's acknowledgements from every peer), to run cycles across epoch values
+// a server reaches after months (the same on every rank).
 std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns, bool staged,
-                          int64_t* id_out);
+                          uint64_t start_epoch, int64_t* id_out);
+// Frees the symmetric buffer and marks the handle closed; its small local state (DeviceState,
+// timing rows, error record) is kept for the life of the process, so a launch replayed from a
+// command buffer recorded before close() reads valid memory, refuses and records kStaleLaunch
+// (closed_handle_error reads it).
 std::string destroy_handle(int64_t id);
+// Collective, after an error: waits for this rank's kernels, then (between two barriers of all
+// ranks) clears every flag, launch count, counter, the abort word and the error record. The
+// same handle, with the same buffers (so the same compiled steps), starts again at cycle 1.
+std::string recover_handle(int64_t id);
+// The error a stale launch recorded on closed handle `id` ("" if none, or if `id` was never a
+// handle of this process).
+std::string closed_handle_error(int64_t id);
 std::string create_dense_handle(int world_size, size_t chunk_bytes, int64_t* id_out);
 std::string destroy_dense_handle(int64_t id);
 // Collective: whether every peer's symmetric memory is reachable by load/store from here.

@@ -91,20 +91,24 @@ NB_MODULE(_native, m) {
       "create_handle",
       [](int num_experts, int k, int hidden, int max_m, int world, int dp, int in_bytes,
          int num_scales, int out_bytes, uint64_t timeout_ns, int num_blocks, int warps,
-         bool staged) {
+         bool staged, uint64_t start_epoch) {
         jmc::Shape s{num_experts, k, hidden, max_m, world, dp, in_bytes, num_scales, out_bytes};
         int64_t id = 0;
         // (id, "") on success; (id, why) when this rank's part failed after the collective
         // step (the caller destroys it on every rank); (0, why) for a bad shape.
-        std::string error =
-            jmc::create_handle(s, jmc::Launch{num_blocks, warps}, timeout_ns, staged, &id);
+        std::string error = jmc::create_handle(s, jmc::Launch{num_blocks, warps}, timeout_ns,
+                                               staged, start_epoch, &id);
         return std::make_tuple(id, error);
       },
       nb::arg("num_experts"), nb::arg("k"), nb::arg("hidden"), nb::arg("max_m"),
       nb::arg("world"), nb::arg("dp"), nb::arg("in_bytes"), nb::arg("num_scales"),
       nb::arg("out_bytes"), nb::arg("timeout_ns"), nb::arg("num_blocks"), nb::arg("warps"),
-      nb::arg("staged"));
+      nb::arg("staged"), nb::arg("start_epoch") = 0);
   m.def("destroy_handle", [](int64_t id) { raise_if(jmc::destroy_handle(id)); });
+  // Collective: back to a clean cycle 1 after an error (handle.h).
+  m.def("recover_handle", [](int64_t id) { raise_if(jmc::recover_handle(id)); });
+  // The error a launch replayed after close() recorded on closed handle `id` ("" if none).
+  m.def("closed_handle_error", &jmc::closed_handle_error);
   m.def("probe_peers_p2p", [] {
     if (!jmc::initialized()) throw std::runtime_error("NVSHMEM is not initialized");
     return jmc::probe_peers_p2p();

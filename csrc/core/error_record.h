@@ -16,6 +16,7 @@ enum ErrorCode : uint32_t {
   kCorruptData = 4,     // a value read from a peer or from routing is out of range (`what`)
   kPeerAborted = 5,     // a peer reported an error first (its abort word reached us)
   kOutOfOrder = 6,      // a launch out of its half's order (recv before send, send twice)
+  kStaleLaunch = 7,     // a launch on a closed handle (a replayed command buffer): did nothing
 };
 
 enum Phase : uint32_t {

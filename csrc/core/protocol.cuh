@@ -59,6 +59,7 @@ __device__ __forceinline__ void fail(const CommonParams& c, ErrorCode code, Phas
                                      What what) {
   if (!record_error(c.error, code, phase, peer, token, expected, seen, what)) return;
   if (code == kPeerAborted) return;  // the peer that failed first told everyone already
+  if (code == kStaleLaunch) return;  // a closed handle: its symmetric buffer may be another's
   const uint64_t word = abort_value(code, c.rank);
   for (int pe = 0; pe < c.shape.world_size; ++pe)
     set_flag(c, c.sym.abort_word, word, pe);
@@ -90,25 +91,35 @@ __device__ __forceinline__ bool launch_in_order(const CommonParams& c, KernelId 
   return *sent - *received == (is_send ? 0u : 1u);
 }
 
-// What a kernel reads first: the abort word and the launch counts of its half.
+// True once close() marked the handle (DeviceState::closed: never freed, so always readable).
+__device__ __forceinline__ bool handle_closed(const CommonParams& c) {
+  return *reinterpret_cast<volatile uint32_t*>(&c.scratch.state->closed) != 0;
+}
+
+// What a kernel reads first: whether the handle was closed, the abort word and the launch
+// counts of its half.
 struct LaunchWords {
   uint64_t abort_word, sent, received;
-  bool in_order;
+  bool closed, in_order;
 };
 
-// Issues the three loads; nothing here uses their values, so they travel together, and a
-// caller may issue more loads (an acknowledgement) before refused_at_start looks at them.
+// Issues the loads; nothing here uses their values, so they travel together, and a caller may
+// issue more loads (an acknowledgement) before refused_at_start looks at them. (On a closed
+// handle the abort word is read from a symmetric buffer another handle may own now: a harmless
+// read, never used.)
 __device__ __forceinline__ LaunchWords load_launch_words(const CommonParams& c, KernelId kernel) {
   LaunchWords l;
+  l.closed = handle_closed(c);
   l.abort_word = ld_relaxed_sys_u64(c.sym.abort_word);
   l.in_order = launch_in_order(c, kernel, &l.sent, &l.received);
   return l;
 }
 
-// At a kernel's start: true if it must do nothing. Either the handle is poisoned (a rank that
-// learns of a peer's error only here records it, so that check() and the host's next call
-// report it), or this launch is out of order (recorded as a ProtocolError and broadcast: the
-// cycle is broken for every rank). Otherwise *epoch is this launch's cycle (one more than the
+// At a kernel's start: true if it must do nothing. Either the handle was closed (a stale launch
+// replayed from a command buffer: recorded on this rank only, never broadcast, and the caller
+// must touch no symmetric memory), or it is poisoned (a rank that learns of a peer's error only
+// here records it, so that check() and the host's next call report it), or this launch is out
+// of order (recorded as a ProtocolError and broadcast: the cycle is broken for every rank). Otherwise *epoch is this launch's cycle (one more than the
 // launches completed before it; the last block advances it: finish_launch). The words are
 // loaded before any is used (load_launch_words): one round trip, where testing the abort word
 // before loading the counts made two, and a separate epoch load a third (~0.3 us each).
@@ -118,6 +129,10 @@ __device__ __forceinline__ bool refused_at_start(const CommonParams& c, KernelId
   const bool is_send = kernel == kDispatchSendKernel || kernel == kCombineSendKernel;
   *epoch = (is_send ? l.sent : l.received) + 1;
   const bool reporter = blockIdx.x == 0 && threadIdx.x == 0;
+  if (l.closed) {
+    if (reporter) fail(c, kStaleLaunch, phase, -1, -1, 0, 0, kWhatNone);
+    return true;
+  }
   if (l.abort_word != 0) {
     if (reporter && *reinterpret_cast<volatile uint32_t*>(&c.error->claimed) == 0)
       fail(c, kPeerAborted, phase, abort_rank(l.abort_word), -1, abort_code(l.abort_word), 0,

@@ -36,6 +36,11 @@ __global__ void barrier_kernel(const BarrierParams p) {
   wait_for_previous_kernels();
   const CommonParams& c = p.c;
   DeviceState* state = c.scratch.state;
+  if (handle_closed(c)) {  // replayed after close(): its flags may be another handle's now
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+      fail(c, kStaleLaunch, kPhaseBarrier, -1, -1, 0, 0, kWhatNone);
+    return;
+  }
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&state->barrier_epoch) + 1;
   const uint32_t opened = *reinterpret_cast<volatile uint32_t*>(&state->timing_opened);
   if (c.timings != nullptr) open_sample(p, opened);

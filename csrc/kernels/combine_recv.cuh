@@ -16,7 +16,10 @@
 // 4. The last block SETs combine_ack[rank] = e on every rank: their next combine_send may
 //    overwrite our combine_rows. Nothing is reset.
 // 5. On a timeout or an abort the error is recorded and broadcast, no ack is sent, and every
-//    remaining row of y is written as zeros.
+//    remaining live row of y (t < num_tokens) is written as NaN, so a step that goes on without
+//    calling check() (a replayed command buffer runs no host code) cannot take it for data;
+//    rows past num_tokens stay zero. A refused launch (closed, poisoned or out of order) writes
+//    NaN rows too.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -71,6 +74,12 @@ struct Chunk<float> {
   }
 };
 
+// Eight bf16 quiet NaNs (0x7fc0 each): the y chunk of a token whose rows never came.
+constexpr int kNaNPair = 0x7fc07fc0;
+__device__ __forceinline__ int4 nan_bf16x8() {
+  return make_int4(kNaNPair, kNaNPair, kNaNPair, kNaNPair);
+}
+
 __device__ __forceinline__ int4 to_bf16x8(const float (&acc)[kElemsPerChunk]) {
   int4 out;
   auto* pairs = reinterpret_cast<__nv_bfloat162*>(&out);
@@ -103,7 +112,9 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
   const int parts = max(1, min(max_parts, w.total / max(num_tokens, 1)));
   const int part_chunks = (chunks + parts - 1) / parts;
   uint64_t epoch = 0;
-  bool healthy = !refused_at_start(c, kCombineRecvKernel, kPhaseCombineRecv, &epoch);
+  const bool refused = refused_at_start(c, kCombineRecvKernel, kPhaseCombineRecv, &epoch);
+  bool healthy = !refused;
+  const int L = s.num_local_experts();
 
   for (int i = w.warp; i < s.max_num_tokens * parts; i += w.total) {
     const int t = i / parts, part = i % parts;
@@ -123,7 +134,7 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
         if (!valid(j)) continue;
         uint64_t seen = 0;
         const Wait r = wait_ge(c, sym.slot_flag(t, j), epoch, deadline, &seen);
-        ok &= check_wait(c, r, kPhaseCombineRecv, -1, t, epoch, seen, kWhatRow);
+        ok &= check_wait(c, r, kPhaseCombineRecv, ids[j] / L, t, epoch, seen, kWhatRow);
       }
       live = __all_sync(0xffffffffu, ok);
       __syncwarp();
@@ -131,7 +142,9 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
       if (i == w.warp) stamp_mark(c, kCombineRecvKernel, kWaited);  // block 0: token 0's rows
     }
 
-    // Step 2: weighted sum in f32 over the part's chunks (zeros for dead or failed tokens).
+    // Step 2: weighted sum in f32 over the part's chunks (NaN for failed live tokens, zeros
+    // past num_tokens).
+    const bool failed = !live && t < num_tokens;
     // The chunks of kSlotBatch slots are loaded before any is summed or stored, so a lane has
     // them in flight together (one at a time, R1's k = 8 rows were 8 round trips per chunk).
     for (int ch = c0 + w.lane; ch < c1; ch += kWarpSize) {
@@ -152,13 +165,13 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
           if (slots) v[u].store(slots + j * slot_bytes, ch);
         }
       }
-      y_row[ch] = to_bf16x8(acc);
+      y_row[ch] = failed ? nan_bf16x8() : to_bf16x8(acc);
     }
   }
 
   // Step 3: every rank may overwrite our combine_rows again. The abort word is read before the
   // block barrier, overlapping the other warps' sums.
-  const bool acknowledge = !poisoned(c);
+  const bool acknowledge = !refused && !poisoned(c);
   if (!is_last_block(c, kCombineRecvKernel)) return;
   if (acknowledge) {
     for (int h = threadIdx.x; h < s.world_size; h += blockDim.x)

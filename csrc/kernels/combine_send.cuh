@@ -60,29 +60,37 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
 
   // Step 2: rows of all experts numbered through a prefix of the counts.
   // Warp 0 loads 32 counts at a time and scans them with shuffles: one thread walking L = 32
-  // counts made 32 dependent loads (R1: L = 32), ~0.3 us each under MPS.
-  extern __shared__ int first_row[];  // [L + 1]
+  // counts made 32 dependent loads (R1: L = 32), ~0.3 us each under MPS. A count outside
+  // [0, R], or counts that add up to more rows than a rank can hold (a corrupt or foreign
+  // expert_num_tokens), are refused at once: sending part of the rows would leave home ranks
+  // waiting for rows that never come (a timeout 30 s later, naming the wrong thing).
+  extern __shared__ int first_row[];  // [L + 1]; first_row[L] < 0: refused
   if (threadIdx.x < kWarpSize) {
+    const int max_rows = s.max_recv_rows();
     int before = 0;  // rows of experts [0, e0)
+    bool refused = false;
     for (int e0 = 0; e0 < L; e0 += kWarpSize) {
       const int e = e0 + w.lane;
-      int n = e < L ? p.expert_num_tokens[e] : 0;
-      if (n < 0 || n > R) {
-        if (blockIdx.x == 0)
-          fail(c, kCorruptData, kPhaseCombineSend, -1, -1, R, n, kWhatExpertCount);
-        n = 0;
-      }
+      const int count = e < L ? p.expert_num_tokens[e] : 0;
+      const bool out_of_range = count < 0 || count > R;
+      int n = out_of_range ? 0 : count;
       for (int d = 1; d < kWarpSize; d *= 2) {  // inclusive prefix over the lanes
         const int below = __shfl_up_sync(0xffffffffu, n, d);
         if (w.lane >= d) n += below;
       }
+      const bool too_many = before + n > max_rows;
+      if ((out_of_range || too_many) && blockIdx.x == 0)
+        fail(c, kCorruptData, kPhaseCombineSend, -1, -1, out_of_range ? R : max_rows,
+             out_of_range ? count : before + n, kWhatExpertCount);
+      refused |= __any_sync(0xffffffffu, out_of_range || too_many);
       if (e < L) first_row[e + 1] = before + n;
       before += __shfl_sync(0xffffffffu, n, kWarpSize - 1);
     }
     if (w.lane == 0) first_row[0] = 0;
+    if (w.lane == 0 && refused) first_row[L] = -1;
   }
   __syncthreads();
-  const int rows = ok ? min(first_row[L], s.max_recv_rows()) : 0;
+  const int rows = ok ? max(first_row[L], 0) : 0;
   for (int i = w.warp; i < rows; i += w.total) {
     int e = 0;  // largest e with first_row[e] <= i
     for (int lo = 0, hi = L; hi - lo > 1;) {

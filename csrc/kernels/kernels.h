@@ -13,7 +13,9 @@ namespace jmc {
 
 // Threads per block the kernels are compiled for (__launch_bounds__): 16 warps, and at least
 // two such blocks per SM (<= 64 registers): with one block (the 70-80 registers they took
-// unbounded) too few warps are copying at large batches (DESIGN §11: (512, 2) does not spill).
+// unbounded) too few warps are copying at large batches. At that cap (nvcc 13.0, sm_90) the
+// split kernels spill a few words (combine_send 56 B, dispatch_recv 48 B, combine_recv 28 B;
+// -Xptxas -v); the fused one-block kernels have no cap and no spills.
 constexpr int kMaxWarpsPerBlock = 16;
 constexpr int kMinBlocksPerSm = 2;
 
@@ -59,6 +61,11 @@ struct DeviceState {
   uint32_t ticket[kNumKernels];
   uint64_t barrier_epoch;  // barriers completed on this handle
   uint32_t timing_opened;  // samples opened (barriers with timing on) since set_timing(true)
+  // Set by close(). This state, the timing rows and the error record of a closed handle are
+  // never freed (only its symmetric buffer is), so a launch that XLA replays from a command
+  // buffer recorded before close() reads them safely, refuses, and is reported (kStaleLaunch)
+  // instead of running on memory a newer handle may own.
+  uint32_t closed;
 };
 
 // Per-call scratch in ordinary device memory, zero between calls (the kernels restore it).

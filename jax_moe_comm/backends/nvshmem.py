@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from typing import NamedTuple
 
 import jax
@@ -47,6 +49,36 @@ def raise_recorded(message: str) -> None:
     raise _ERROR_KINDS.get(kind, MoECommError)(message)
 
 
+# Settings read from the environment at creation that every rank must share (csrc/handle.cc
+# reads them): a rank that refused one alone would return before the collective allocation and
+# leave the others waiting there, so they are agreed first, with the differing rank named.
+PROTOCOL_ENV = ("JMC_FUSED", "JMC_PDL", "JMC_NUM_BLOCKS")
+
+# Tests only (tests/gpu_harness.py sets it around a creation): handles start as if this many
+# cycles had completed, to run cycles across the epoch values a server reaches after months.
+_start_epoch = 0
+
+
+def creation_mismatch(rank: int, everyone: list[dict]) -> str:
+    """What differs between the ranks' creation requests ({"shape": [...], "settings": {...}}
+    per rank, in rank order), seen from `rank`; "" if they agree. The same text on every rank
+    but for the viewpoint, so every rank raises at once."""
+    mine = everyone[rank]
+    differ = [r for r, v in enumerate(everyone) if v["shape"] != mine["shape"]]
+    if differ:
+        return (f"rank(s) {differ} asked for another layer shape than rank {rank} "
+                f"{tuple(mine['shape'])}; every process must create the same handles in the "
+                "same order")
+    for key, value in mine["settings"].items():
+        other = {r: v["settings"].get(key) for r, v in enumerate(everyone)
+                 if v["settings"].get(key) != value}
+        if other:
+            return (f"{key} differs between ranks: {value!r} on rank {rank}, " +
+                    ", ".join(f"{v!r} on rank {r}" for r, v in other.items()) +
+                    "; set it the same way for every process")
+    return ""
+
+
 class NvshmemBackend:
     name = "nvshmem"
     fused_ops = True  # dispatch() and combine(): both halves in one launch (autodiff.py)
@@ -62,24 +94,27 @@ class NvshmemBackend:
         self.cfg = cfg
         self.axis_name = axis_name
         self._mod = native.module()
-        # Creation is collective: every rank must ask for the same shape, in the same order.
-        # Checked through the key-value store first, so a difference is named, not a hang.
+        # Creation is collective: every rank must ask for the same shape and settings, in the
+        # same order. Checked through the key-value store first, so a difference is named, not
+        # a hang (every rank publishes before any rank refuses).
         shape = (cfg.num_experts, cfg.experts_per_token, cfg.hidden, cfg.max_num_tokens,
                  cfg.world_size, cfg.dp_size, cfg.dispatch_dtype.name, cfg.combine_dtype.name)
+        settings = dict({k: os.environ.get(k, "") for k in PROTOCOL_ENV},
+                        num_blocks=tuning.num_blocks, warps_per_block=tuning.warps_per_block,
+                        start_epoch=_start_epoch)
         tag = bootstrap.next_collective_tag("handle")
-        differ = [r for r, v in enumerate(bootstrap.all_gather(tag + ":shape", repr(shape)))
-                  if v != repr(shape)]
-        if differ:
-            raise ValueError(f"AllToAll creation #{tag}: rank(s) {differ} asked for another "
-                             f"layer shape than rank {jax.process_index()} {shape}; every "
-                             "process must create the same handles in the same order")
+        mine = json.dumps({"shape": shape, "settings": settings})
+        everyone = [json.loads(v) for v in bootstrap.all_gather(tag + ":shape", mine)]
+        problem = creation_mismatch(jax.process_index(), everyone)
+        if problem:
+            raise ValueError(f"AllToAll creation #{tag}: {problem}")
         handle, error = self._mod.create_handle(
             num_experts=cfg.num_experts, k=cfg.experts_per_token, hidden=cfg.hidden,
             max_m=cfg.max_num_tokens, world=cfg.world_size, dp=cfg.dp_size,
             in_bytes=cfg.dispatch_dtype.itemsize, num_scales=cfg.num_scales,
             out_bytes=cfg.combine_dtype.itemsize, timeout_ns=int(timeout_s * 1e9),
             num_blocks=tuning.num_blocks, warps=tuning.warps_per_block,
-            staged=bootstrap.staged())
+            staged=bootstrap.staged(), start_epoch=_start_epoch)
         if not handle:  # refused before anything collective happened (same on every rank)
             raise ValueError(f"cannot create the all-to-all handle: {error}")
         # Past the collective allocation: if any rank failed, every rank frees it together.
@@ -192,8 +227,28 @@ class NvshmemBackend:
         return [list(ts) for ts in self._mod.read_timings(self.handle)]
 
     def check(self):
-        """Waits for the device; raises this rank's recorded error, else a peer's abort."""
+        """Waits for the device; raises this rank's recorded error, else a peer's abort. The
+        record is kept until recover(): every later check() raises it again. On a closed
+        handle: the error a launch replayed after close() recorded (no wait)."""
+        if not self._open:
+            raise_recorded(self._mod.closed_handle_error(self.handle))
+            return
         raise_recorded(self._mod.check_handle(self.handle))
+
+    def poll(self):
+        """check() without waiting for the device: raises what this rank's kernels recorded so
+        far (a peer's failure is recorded here too once one of our kernels has seen its abort
+        word). Reads pinned host memory: cheap enough for every step of a server."""
+        if not self._open:
+            raise_recorded(self._mod.closed_handle_error(self.handle))
+            return
+        raise_recorded(self._mod.handle_error(self.handle))
+
+    def recover(self):
+        """Collective: waits for this rank's kernels, then on every rank clears the handle's
+        flags, launch counts and error record, so the same handle (same buffers, so the same
+        compiled steps) runs again from a clean cycle."""
+        self._mod.recover_handle(self.handle)
 
     def launch_shape(self) -> list[tuple[int, int]]:
         """(blocks, warps per block) of dispatch_send, dispatch_recv, combine_send, combine_recv,
