@@ -272,9 +272,12 @@ class AllToAll:
     def close(self) -> None:
         """Free the symmetric buffers. Collective: every process closes its handle.
 
-        Call no jitted function that uses this handle after close(). Without XLA command
-        buffers its ops refuse a closed handle; with them (XLA's default on GPU) a compiled
-        step may replay its recorded launches without asking the handle, on freed memory."""
+        Call no jitted function that uses this handle after close(). If one runs anyway: its
+        handlers refuse a closed handle, and launches that XLA replays from a command buffer
+        (its default on GPU) without asking the handle find it marked closed in device state
+        that close() keeps for that (a few KB per handle, never freed), do nothing, and write
+        NaN rows of y; check() on this object then raises ProtocolError. The symmetric buffers
+        themselves are freed, and a newer handle may own them."""
         if not self._closed:
             for b in self._backends:
                 b.close()
@@ -298,17 +301,40 @@ class AllToAll:
         return sum(b.symmetric_bytes for b in self._backends)
 
     def check(self) -> None:
-        """Wait for the device, then raise the first error recorded since the last check():
+        """Wait for the device, then raise the first error recorded on this handle:
         InvalidRoutingError (bad expert index or num_tokens of a live row; the slot was
         skipped), PeerTimeoutError, PeerAbortedError (a peer failed first), CorruptDataError,
-        or ProtocolError (a half's send and recv out of order); also for the backward handles
-        of a differentiable handle. Under XLA command buffers a replayed step runs no handler
-        code, so its errors reach the host only here: a decode loop should call check() every
-        few steps."""
+        or ProtocolError (a half's send and recv out of order, or a compiled step replayed
+        after close()); also for the backward handles of a differentiable handle. On the GPU
+        the error stays recorded and every later check() raises it again, until recover()
+        (every later cycle on the handle does nothing and writes NaN rows of y). Under XLA
+        command buffers a replayed step runs no handler code, so its errors reach the host
+        only here or in poll(): a decode loop should poll() every step or check() every few."""
         for b in self._backends:
             check = getattr(b, "check", None)
             if check is not None:
                 check()
+
+    def poll(self) -> None:
+        """check() without waiting for the device: raises what this rank's kernels have
+        recorded so far (on the GPU a pinned-memory read, cheap enough for every step). A
+        backend with nothing asynchronous to read (the reference) checks as check() does."""
+        for b in self._backends:
+            poll = getattr(b, "poll", None) or getattr(b, "check", None)
+            if poll is not None:
+                poll()
+
+    def recover(self) -> None:
+        """Collective, after an error: every process calls it. Waits for this rank's kernels,
+        then brings the handle back to a clean cycle on every rank (flags, launch counts and
+        the error record cleared; same buffers), so the compiled steps that use it run again
+        without re-jit. Errors already raised stay raised; the cycle that failed is lost."""
+        if self._closed:
+            raise ProtocolError("recover() on a closed AllToAll handle: create a new one")
+        for b in self._backends:
+            recover = getattr(b, "recover", None)
+            if recover is not None:
+                recover()
 
     def _live(self):
         if self._closed:

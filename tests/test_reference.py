@@ -109,3 +109,19 @@ def test_oracle_catches_a_wrong_backend(monkeypatch):
     monkeypatch.setattr(reference.ReferenceBackend, "dispatch_recv", broken)
     with pytest.raises(AssertionError):
         T.run_and_check(AllToAll(cfg), T.make_mesh(4), inp)
+
+
+def test_poll_reports_like_check_and_recover_needs_an_open_handle():
+    """poll() (the server's per-step check, no device sync on the GPU) reports the same error
+    as check(); recover() refuses a closed handle."""
+    from jax_moe_comm import ProtocolError
+
+    cfg = Case("bad", 8, 2, 128, 4, 2).cfg()
+    a2a = AllToAll(cfg)
+    T.run_and_check(a2a, T.make_mesh(2), T.make_inputs(cfg, 5, "bad_index"))
+    with pytest.raises(InvalidRoutingError, match="has expert index .* outside"):
+        a2a.poll()
+    a2a.recover()  # collective on the GPU; nothing to clear here
+    a2a.close()
+    with pytest.raises(ProtocolError, match="closed"):
+        a2a.recover()

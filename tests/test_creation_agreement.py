@@ -1,0 +1,34 @@
+"""Creation requests compared across ranks before anything collective (issue 28, item 5): a
+rank with another setting is named on every rank instead of leaving the others in the
+collective allocation."""
+
+from jax_moe_comm.backends.nvshmem import PROTOCOL_ENV, creation_mismatch
+
+
+def request(shape=(8, 2, 128, 4, 2, 1, "bfloat16", "bfloat16"), **settings):
+    base = dict({k: "" for k in PROTOCOL_ENV}, num_blocks=0, warps_per_block=16, start_epoch=0)
+    return {"shape": list(shape), "settings": dict(base, **settings)}
+
+
+def test_agreeing_ranks_pass():
+    assert creation_mismatch(1, [request(), request(), request()]) == ""
+
+
+def test_a_differing_env_setting_names_the_rank_on_every_rank():
+    everyone = [request(JMC_FUSED="bogus"), request(), request()]
+    for rank in range(3):
+        msg = creation_mismatch(rank, everyone)
+        assert "JMC_FUSED differs between ranks" in msg and "'bogus' on rank 0" in msg, msg
+    assert "'' on rank 1" in creation_mismatch(0, everyone)
+
+
+def test_a_differing_shape_is_reported_before_settings():
+    everyone = [request(), request(shape=(16, 2, 128, 4, 2, 1, "bfloat16", "bfloat16"),
+                                   JMC_PDL="0")]
+    msg = creation_mismatch(0, everyone)
+    assert msg.startswith("rank(s) [1] asked for another layer shape"), msg
+
+
+def test_a_test_only_start_epoch_must_agree_too():
+    msg = creation_mismatch(0, [request(start_epoch=2**32), request()])
+    assert "start_epoch differs" in msg
