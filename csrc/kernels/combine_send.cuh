@@ -79,7 +79,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
         if (w.lane >= d) n += below;
       }
       const bool too_many = before + n > max_rows;
-      if ((out_of_range || too_many) && blockIdx.x == 0)
+      if ((out_of_range || too_many) && ok && blockIdx.x == 0)  // (refused: report nothing)
         fail(c, kCorruptData, kPhaseCombineSend, -1, -1, out_of_range ? R : max_rows,
              out_of_range ? count : before + n, kWhatExpertCount);
       refused |= __any_sync(0xffffffffu, out_of_range || too_many);
