@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build on the GPU machine and run the GPU suites (and optionally the benchmark) in one go.
-#   STAGES="suite protocol protocol_full exit nocmdbuf grad_nocmdbuf sanitizer grad layout demo \
-#           decode bench" bash scripts/gpu_check.sh
+#   STAGES="suite protocol protocol_full exit nocmdbuf grad_nocmdbuf sanitizer grad layout server \
+#           demo decode bench" bash scripts/gpu_check.sh
 # Defaults: every stage but decode and bench. RANKS (default "1 2 4 8") for the suites, QUICK=1 for the
 # short versions, BENCH_ARGS for the benchmark. Logs go to $OUT (or ./gpu_logs). Uses the
 # machine's python3 and its jax/nanobind/nvshmem.
@@ -62,6 +62,8 @@ if has nocmdbuf; then  # command buffers (CUDA graphs) off: the same results
     $(launch 2 280) $PY "$ROOT/tests/gpu_worker.py" --quick --steps 10
   XLA_FLAGS=--xla_gpu_enable_command_buffer= run protocol_n2_nocmdbuf 300 \
     $(launch 2 280) $PY "$ROOT/tests/gpu_protocol_worker.py" --quick
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= run gpu_server_worker_n2_nocmdbuf 300 \
+    $(launch 2 280) $PY "$ROOT/tests/gpu_server_worker.py"
 fi
 if has grad_nocmdbuf; then  # gradients and 50 training steps with command buffers off
   XLA_FLAGS=--xla_gpu_enable_command_buffer= run grad_n2_nocmdbuf 400 \
