@@ -119,10 +119,11 @@ __device__ __forceinline__ LaunchWords load_launch_words(const CommonParams& c, 
 // replayed from a command buffer: recorded on this rank only, never broadcast, and the caller
 // must touch no symmetric memory), or it is poisoned (a rank that learns of a peer's error only
 // here records it, so that check() and the host's next call report it), or this launch is out
-// of order (recorded as a ProtocolError and broadcast: the cycle is broken for every rank). Otherwise *epoch is this launch's cycle (one more than the
-// launches completed before it; the last block advances it: finish_launch). The words are
-// loaded before any is used (load_launch_words): one round trip, where testing the abort word
-// before loading the counts made two, and a separate epoch load a third (~0.3 us each).
+// of order (recorded as a ProtocolError and broadcast: the cycle is broken for every rank).
+// Otherwise *epoch is this launch's cycle (one more than the launches completed before it; the
+// last block advances it: finish_launch). The words are loaded before any is used
+// (load_launch_words): one round trip, where testing the abort word before loading the counts
+// made two, and a separate epoch load a third (~0.3 us each).
 __device__ __forceinline__ bool refused_at_start(const CommonParams& c, KernelId kernel,
                                                  Phase phase, const LaunchWords& l,
                                                  uint64_t* epoch) {
