@@ -53,21 +53,24 @@ _REASONS = (("a dispatch is already in flight (call dispatch_recv before the nex
 
 
 class ProtocolState:
-    """Per rank and half: sends and receives completed; the first error, kept (a handle that
-    broke the protocol stays unusable, as a poisoned CUDA handle does)."""
+    """Per device and half: sends and receives completed; the first error, kept (a handle that
+    broke the protocol stays unusable, as a poisoned CUDA handle does). A device is keyed by
+    its index over every mesh axis of the shard_map: with data-parallel axes beside the
+    expert axis, several devices share an expert-parallel rank and each counts its own."""
 
-    def __init__(self, world_size: int):
+    def __init__(self):
         self._lock = threading.Lock()
-        self.counts = np.zeros((world_size, 2, 2), np.int64)  # [rank, half, (sent, received)]
+        self.counts: dict[int, np.ndarray] = {}  # device -> [half, (sent, received)]
         self.error = ""
         self.closed = False
 
-    def visit(self, op: int, rank: int) -> None:
+    def visit(self, op: int, rank: int, device: int) -> None:
         half, is_recv = op // 2, op % 2
         with self._lock:
             if self.error:
                 return  # a broken handle: the kernels do nothing, and report nothing new
-            sent, received = (int(v) for v in self.counts[rank, half])
+            counts = self.counts.setdefault(device, np.zeros((2, 2), np.int64))
+            sent, received = (int(v) for v in counts[half])
             if self.closed:
                 self.error = (f"ProtocolError: rank {rank} in {OP_NAMES[op]}: the handle is "
                               "closed (a compiled step ran after close(); the CUDA backend's "
@@ -80,7 +83,7 @@ class ProtocolState:
                               f"{received}); the CUDA kernels refuse this launch and the "
                               "handle: close it and create a new AllToAll")
                 return
-            self.counts[rank, half, is_recv] += 1
+            counts[half, is_recv] += 1
 
 
 @functools.cache
@@ -97,8 +100,9 @@ def _primitive():
             return _core.ShapedArray((), jnp.int32)
 
     def lowering(ctx, *operands, state, op):
-        def callback(rank, *_deps):
-            state.visit(op, int(np.asarray(rank).reshape(-1)[0]))
+        def callback(rank, device, *_deps):
+            state.visit(op, int(np.asarray(rank).reshape(-1)[0]),
+                        int(np.asarray(device).reshape(-1)[0]))
             return (np.zeros((), np.int32),)
 
         sharding = _callback_op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
@@ -144,5 +148,10 @@ def tick(state: ProtocolState, op: int, axis_name, *deps):
     p = _primitive()
     if p is None:
         return jnp.zeros((), jnp.int32)
+    from ..routing import bound_axes
+
     rank = jnp.asarray(jax.lax.axis_index(axis_name), jnp.int32).reshape(1)
-    return p.bind(rank, *(_scalar(d) for d in deps if d is not None), state=state, op=op)
+    axes = tuple(bound_axes()) or axis_name
+    device = jnp.asarray(jax.lax.axis_index(axes), jnp.int32).reshape(1)
+    return p.bind(rank, device, *(_scalar(d) for d in deps if d is not None), state=state,
+                  op=op)

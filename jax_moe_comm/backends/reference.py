@@ -59,7 +59,7 @@ class ReferenceBackend:
         self._errors: list[str] = []
         # The order of each half's send and recv, counted per rank as the kernels count it
         # (host_check.py); an op out of order is recorded and check() raises ProtocolError.
-        self.protocol = hc.ProtocolState(cfg.world_size) if check_protocol else None
+        self.protocol = hc.ProtocolState() if check_protocol else None
 
     def _tick(self, op: int, *deps):
         """int32 zero from the host visit of `op` (after deps); the op adds it to a value its
