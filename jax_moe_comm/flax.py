@@ -456,7 +456,8 @@ class MoE(nnx.Module):
 
 
 # -- the layer, per rank -------------------------------------------------------------------------
-def _route(layer: MoELayerConfig, cfg: rtr.RouterConfig, router, x, live, bias):
+def route_tokens(layer: MoELayerConfig, cfg: rtr.RouterConfig, router, x, live, bias=None):
+    """(router.Routed with dead rows' indices -1, LoadStats) of x [m, H] per rank."""
     logits = jnp.dot(x.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
     routed = rtr.route(cfg, logits, layer.experts_per_token, bias)
     indices = jnp.where(live[:, None], routed.indices, -1)
@@ -467,7 +468,7 @@ def layer_forward(a2a: AllToAll, layer: MoELayerConfig, cfg: rtr.RouterConfig, p
                   live, bias=None):
     """Per rank, inside shard_map: x [max_m, H] bf16, live [max_m] bool -> (y [max_m, H] bf16,
     LoadStats). Dead rows route nowhere and give zero rows (padding need not come last)."""
-    routed, stats = _route(layer, cfg, params["router"], x, live, bias)
+    routed, stats = route_tokens(layer, cfg, params["router"], x, live, bias)
     # rows up to the last live one go (dead ones route nowhere); the rest are not read
     n = jnp.max(jnp.where(live, jnp.arange(1, x.shape[0] + 1), 0)).astype(jnp.int32)
     pending = a2a.dispatch_send(x, routed.indices, n)
@@ -489,7 +490,7 @@ def dense_layer_forward(layer: MoELayerConfig, cfg: rtr.RouterConfig, params, x,
     """layer_forward on one device with every expert applied densely (the oracle)."""
     from . import quant
 
-    routed, stats = _route(layer, cfg, params["router"], x, live, bias)
+    routed, stats = route_tokens(layer, cfg, params["router"], x, live, bias)
     xe = quant.fake_quantize(x) if layer.fp8_dispatch else x
 
     def add_expert(e, y):
