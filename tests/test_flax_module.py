@@ -61,17 +61,14 @@ def test_bsh_and_th_inputs_on_a_data_expert_mesh_match_the_dense_layer():
     assert y.shape == (4, 16, H) and y.dtype == jnp.bfloat16
     assert not np.asarray(y, np.float32).reshape(64, H)[50:].any()
     close_to_dense(moe, x, y, num_tokens=50, mask=mask)
-    xt = x.reshape(64, H)  # [T, H] with per-shard counts
-    counts = np.array([8, 0, 3, 8, 1, 8, 5, 2], np.int32)
-    yt = nnx.jit(lambda m, x, n: m(x, n))(moe, jnp.asarray(xt), jnp.asarray(counts))
-    close_to_dense(moe, xt, yt, num_tokens=counts)
     jf.check_handles(moe)  # nothing recorded (the reference counts per device: no false alarm)
     moe.close()
 
 
 def test_expert_axis_over_both_mesh_axes_and_token_budgets():
     """expert_axis=("data", "expert"): the nvshmem layout on a 2-axis mesh (experts over all 8
-    devices); budgets (8, 2): a 1-token decode call takes the small handle, padded to 2."""
+    devices); budgets (8, 2): [T, H] with one token per device and per-shard counts takes the
+    small handle, padded to 2."""
     mesh = mesh2("Explicit")
     moe = make(mesh, expert_axis=("data", "expert"), data_axes=(), max_num_tokens=(8, 2),
                num_experts=16, shared_expert=False)
@@ -80,9 +77,11 @@ def test_expert_axis_over_both_mesh_axes_and_token_budgets():
     assert nnx.get_partition_spec(nnx.state(moe, nnx.Param))["w_in"].get_value() == \
         P(("data", "expert"), None, None)
     rng = np.random.default_rng(1)
-    step = nnx.jit(lambda m, x: m(x))
     x = rng.standard_normal((8, H)).astype(jnp.bfloat16)  # 1 per device, padded to 2
-    close_to_dense(moe, x, step(moe, jnp.asarray(x)))
+    counts = np.array([1, 0, 1, 1, 0, 1, 1, 1], np.int32)
+    y = nnx.jit(lambda m, x, n: m(x, n))(moe, jnp.asarray(x), jnp.asarray(counts))
+    assert not np.asarray(y, np.float32)[counts == 0].any()
+    close_to_dense(moe, x, y, num_tokens=counts)
     jf.check_handles(moe)
     moe.close()
 
@@ -118,7 +117,6 @@ def test_eval_shape_makes_no_handle_then_sharded_init_and_orbax_round_trip(tmp_p
     x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 8, H)), jnp.bfloat16)
     step = nnx.jit(lambda m, x: m(x))
     y = step(model, x)
-    close_to_dense(model, x, y)
 
     ocp = pytest.importorskip("orbax.checkpoint", reason="orbax-checkpoint not installed")
     path = tmp_path / "moe"
