@@ -86,6 +86,10 @@ EXPERT_INIT = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis
 KERNEL_INIT = nnx.initializers.variance_scaling(1.0, "fan_in", "normal")
 
 
+def _zeros(key, shape, dtype):
+    return jnp.zeros(shape, dtype)
+
+
 @functools.cache
 def _maker(init, shape, dtype, sharding):
     """init(key, shape, dtype) compiled to make each shard where it lives (cached: a model of
@@ -157,8 +161,10 @@ class MoE(nnx.Module):
             self.shared_in = self._param(rngs, "shared_in", kernel_init, (H, SF))
             self.shared_out = self._param(rngs, "shared_out", kernel_init, (SF, H))
         if self.router_cfg.expert_bias:
-            self.expert_bias = ExpertBias(jnp.zeros((E,), jnp.float32),
-                                          out_sharding=(None,), mesh=mesh)
+            zeros = _maker(_zeros, (E,), jnp.dtype(jnp.float32), NamedSharding(mesh, P()))
+            self.expert_bias = ExpertBias(nnx.with_partitioning(
+                lambda *_: zeros(jax.random.key(0)), (None,), mesh=mesh,
+                logical_axes=LOGICAL_AXES["expert_bias"])(None))
         if eager_handles and not _under_trace():
             self.create_handles()
 
