@@ -156,7 +156,7 @@ class _Half:
     def __init__(self, name: str):
         self.name = name
         self.sent: dict[int, tuple] = {}  # serial -> (weakref to its trace, call site)
-        self.received: set[int] = set()
+        self.received: dict[int, Any] = {}  # serial -> weakref to the trace that received it
 
     def _in_flight(self, trace):
         """(serial, call site) of the send traced in `trace` and not received yet, or None."""
@@ -164,7 +164,7 @@ class _Half:
             alive = _alive(ref)
             if alive is None:  # finished tracing: forget it
                 del self.sent[serial]
-                self.received.discard(serial)
+                self.received.pop(serial, None)
             elif alive is trace and serial not in self.received:
                 return serial, site
         return None
@@ -186,13 +186,15 @@ class _Half:
 
     def recv(self, serial: int) -> None:
         op = f"{self.name}_recv"
+        trace = _current_trace()
         known = serial in self.sent and _alive(self.sent[serial][0]) is not None
-        if known and serial in self.received:
+        # Received before in this same trace (a recv in each branch of a lax.cond is fine).
+        if known and serial in self.received and self.received[serial]() is trace:
             raise ProtocolError(
                 f"{op} of a Pending{self.name.capitalize()} that was already received: no "
                 f"{self.name}_send before it (the CUDA kernels refuse it). Each send is "
                 "received once.")
-        flying = self._in_flight(_current_trace())
+        flying = self._in_flight(trace)
         if flying is not None and flying[0] != serial:
             raise ProtocolError(
                 f"{op} was given the pending of another {self.name}_send than the one in "
@@ -200,7 +202,7 @@ class _Half:
                 "cycle in flight, so this one would get that send's data. Pass the pending "
                 f"that the last {self.name}_send returned.")
         if known:
-            self.received.add(serial)
+            self.received[serial] = weakref.ref(trace)
 
 
 def order_after(value, *deps):

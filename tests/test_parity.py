@@ -41,3 +41,22 @@ def test_gpu_parity_worker_runs_on_two_cpu_processes():
     assert r.returncode == 0 and "GPU PARITY SUITE PASSED" in r.stdout, \
         (r.stdout + r.stderr)[-5000:]
     assert r.stdout.count("[rank 0] PASS") == 7, r.stdout
+
+
+def test_a_recv_in_each_branch_of_a_cond_is_one_recv():
+    """lax.cond traces both branches; only one runs, so each may receive the pending."""
+    import jax
+
+    ctx = parity_cases.Ctx(mesh=T.make_mesh(WORLD), backend="reference", world=WORLD)
+    with ctx.handle() as a2a:
+        _, (x, idx, _, nt) = ctx.inputs()
+
+        def body(x, idx, nt):
+            n = nt.reshape(())
+            pending = a2a.dispatch_send(x, idx, n)
+            recv = lambda p: a2a.dispatch_recv(p).expert_num_tokens  # noqa: E731
+            counts = jax.lax.cond(n > 0, recv, recv, pending)
+            a2a.dispatch_send(x, idx, n)  # the cycle was received: a new one may start
+            return counts
+
+        jax.block_until_ready(ctx.jit(body, 3)(x, idx, nt))
