@@ -115,16 +115,20 @@ class Attention(nnx.Module):
         return out.reshape(b, s, H) @ self.wo[...], ck, cv
 
 
+E = args.experts_per_rank * EP
+GROUPS = 4 if E % 4 == 0 else 1  # DeepSeek-V3 routing: 2 of 4 groups where they hold k
+ROUTER = RouterConfig(score="sigmoid", num_groups=GROUPS,
+                      topk_groups=2 if GROUPS == 4 and E // 2 >= args.k else None, scale=2.5)
+
+
 class Block(nnx.Module):
     def __init__(self, rngs):
         self.norm1, self.attn, self.norm2 = RMSNorm(rngs), Attention(rngs), RMSNorm(rngs)
         self.moe = jf.MoE(
-            num_experts=args.experts_per_rank * EP, experts_per_token=args.k, hidden=H,
+            num_experts=E, experts_per_token=args.k, hidden=H,
             ffn=args.ffn, shared_expert=True, mesh=MESH, expert_axis="ep",
             max_num_tokens=(args.batch_per_rank * S0, args.batch_per_rank),  # prefill, decode
-            router=RouterConfig(score="sigmoid", num_groups=4 if args.experts_per_rank * EP
-                                % 4 == 0 else 1, topk_groups=2 if args.experts_per_rank * EP
-                                % 4 == 0 else None, scale=2.5),
+            router=ROUTER,
             param_dtype=bf16, layout="padded", differentiable=False, backend=args.backend,
             eager_handles=False, rngs=rngs)
 
@@ -242,7 +246,7 @@ def main() -> int:
     prompt_g = jax.make_array_from_callback(prompt.shape, ROWS, lambda i: prompt[i])
     caches = empty_caches(B, ROWS)
     log(f"backend={backend} ranks={EP} processes={NPROC} platform={jax.default_backend()}: "
-        f"{args.layers} layers, H={H}, {args.experts_per_rank * EP} experts (k={args.k}, "
+        f"{args.layers} layers, H={H}, {E} experts (k={args.k}, "
         f"shared expert), {B} sequences ({args.batch_per_rank}/rank), prompt {S0}, "
         f"{N} new tokens, {handles} handles (budgets {model.blocks[0].moe.budgets} per rank)")
 

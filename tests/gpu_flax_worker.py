@@ -64,8 +64,8 @@ def mesh_of_processes():
 def build(mesh, backend, seed=0, **kw):
     return jf.MoE(num_experts=E, experts_per_token=K, hidden=H, ffn=F, shared_ffn=128,
                   max_num_tokens=BUDGETS, mesh=mesh, expert_axis=("data", "expert"),
-                  router=RouterConfig(score="sigmoid", num_groups=4, topk_groups=2,
-                                      scale=2.5),
+                  router=RouterConfig(score="sigmoid", num_groups=4,
+                                      topk_groups=2 if E // 2 >= K else None, scale=2.5),
                   backend=backend, eager_handles=False, rngs=nnx.Rngs(seed), **kw)
 
 
