@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import os
+import sys
 import warnings
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -76,17 +80,129 @@ class Routing(NamedTuple):
 
 
 class PendingDispatch(NamedTuple):
-    """Returned by dispatch_send; hand it to dispatch_recv."""
+    """Returned by dispatch_send; hand it to dispatch_recv of the same handle.
+
+    A pytree of arrays (it can be returned from a jitted function and passed to another);
+    `owner` (the handle) and `serial` (the send) are static pytree metadata."""
 
     state: Any
     args: ad.DispatchArgs | None = None  # the inputs, for the gradient rule
+    owner: int = 0  # AllToAll serial of the handle that sent
+    serial: int = 0  # which dispatch_send made it (per process, trace-time)
 
 
 class PendingCombine(NamedTuple):
-    """Returned by combine_send; hand it to combine_recv."""
+    """Returned by combine_send; hand it to combine_recv of the same handle (a pytree, as
+    PendingDispatch)."""
 
     state: Any
     args: ad.CombineArgs | None = None  # the inputs, for the gradient rule
+    owner: int = 0
+    serial: int = 0
+
+
+for _cls in (PendingDispatch, PendingCombine):  # owner and serial: static, not leaves
+    jax.tree_util.register_pytree_node(
+        _cls, lambda p: ((p.state, p.args), (p.owner, p.serial)),
+        lambda aux, children, cls=_cls: cls(*children, *aux))
+_HANDLE_SERIALS = itertools.count(1)
+_SEND_SERIALS = itertools.count(1)
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _under_trace() -> bool:
+    """Whether JAX is tracing here (jit, eval_shape, grad, shard_map, ...)."""
+    from jax._src import core
+
+    clean = getattr(core, "trace_state_clean", None)
+    if clean is not None:
+        return not clean()
+    return not isinstance(core.trace_ctx.trace, core.EvalTrace)  # pragma: no cover
+
+
+def _current_trace():
+    from jax._src import core
+
+    return core.trace_ctx.trace
+
+
+def _call_site() -> str:
+    """file:line of the first caller outside jax_moe_comm and JAX (for messages)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(_PACKAGE_DIR) or f"{os.sep}jax{os.sep}" in name
+                or f"{os.sep}flax{os.sep}" in name or "<frozen" in name):
+            return f"{os.path.basename(name)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+def _alive(ref) -> Any:
+    """The trace behind a weakref while it is still tracing, else None."""
+    trace = ref()
+    if trace is None or not getattr(trace, "is_valid", lambda: True)():
+        return None
+    return trace
+
+
+class _Half:
+    """Trace-time order of one half (dispatch or combine) of a handle. What the kernels refuse
+    at run time (csrc/core/protocol.cuh: a send while one is in flight, a recv without its
+    send) is refused here, on every backend and with the same ProtocolError, when one traced
+    function shows it. Sends traced in a trace that has finished (a pending returned by a
+    jitted function) are left to the run-time checks: each run of that function sends anew."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.sent: dict[int, tuple] = {}  # serial -> (weakref to its trace, call site)
+        self.received: dict[int, Any] = {}  # serial -> weakref to the trace that received it
+
+    def _in_flight(self, trace):
+        """(serial, call site) of the send traced in `trace` and not received yet, or None."""
+        for serial, (ref, site) in list(self.sent.items()):
+            alive = _alive(ref)
+            if alive is None:  # finished tracing: forget it
+                del self.sent[serial]
+                self.received.pop(serial, None)
+            elif alive is trace and serial not in self.received:
+                return serial, site
+        return None
+
+    def send(self, fused: bool) -> int:
+        trace = _current_trace()
+        flying = self._in_flight(trace)
+        op = self.name if fused else f"{self.name}_send"
+        if flying is not None:
+            raise ProtocolError(
+                f"{op} while the {self.name}_send at {flying[1]} is still in flight on this "
+                f"AllToAll (the CUDA kernels refuse it: one {self.name} per handle at a "
+                f"time). Call {self.name}_recv on that pending first, or use another handle "
+                "for the second cycle.")
+        serial = next(_SEND_SERIALS)
+        if not fused:
+            self.sent[serial] = (weakref.ref(trace), _call_site())
+        return serial
+
+    def recv(self, serial: int) -> None:
+        op = f"{self.name}_recv"
+        trace = _current_trace()
+        known = serial in self.sent and _alive(self.sent[serial][0]) is not None
+        # Received before in this same trace (a recv in each branch of a lax.cond is fine).
+        if known and serial in self.received and self.received[serial]() is trace:
+            raise ProtocolError(
+                f"{op} of a Pending{self.name.capitalize()} that was already received: no "
+                f"{self.name}_send before it (the CUDA kernels refuse it). Each send is "
+                "received once.")
+        flying = self._in_flight(trace)
+        if flying is not None and flying[0] != serial:
+            raise ProtocolError(
+                f"{op} was given the pending of another {self.name}_send than the one in "
+                f"flight (sent at {flying[1]}): on the device a recv takes the handle's "
+                "cycle in flight, so this one would get that send's data. Pass the pending "
+                f"that the last {self.name}_send returned.")
+        if known:
+            self.received[serial] = weakref.ref(trace)
 
 
 def order_after(value, *deps):
@@ -202,6 +318,11 @@ class AllToAll:
     One handle serves every layer and step, one dispatch/combine pair at a time: each
     dispatch_send must be followed by its dispatch_recv, combine_send and combine_recv before
     the next dispatch_send on the same handle. Call close() (or use `with`) when done.
+    Misuse raises ProtocolError on every backend: at trace time when one traced function
+    shows it (a second send while one is in flight, a recv of a pending already received or
+    made by another handle, an op on a closed handle, a handle created while tracing), else
+    from check() (the CUDA kernels refuse the launch on the device; the reference backend
+    counts the same way on the host).
 
     differentiable=True: also allocate the buffers of the backward all-to-alls (bf16 dispatch,
     f32 combine; a second one with dp_size 1 when dp_size > 1), so that jax.grad can
@@ -215,6 +336,13 @@ class AllToAll:
     def __init__(self, config: MoEConfig, *, axis_name: str = "ep", backend: str = "auto",
                  layout: str = "padded", tuning: KernelTuning | None = None,
                  timeout_s: float = 30.0, differentiable: bool = False):
+        if _under_trace():
+            raise ProtocolError(
+                "AllToAll was created while JAX is tracing (inside jit, eval_shape, grad, "
+                "shard_map or an nnx transform). Creation is collective and allocates "
+                "symmetric memory once: create the handle before the jitted function, on "
+                "every process in the same order, and use it inside (a Flax module made under "
+                "nnx.eval_shape creates its handles later: jax_moe_comm.flax.create_handles).")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
         if not isinstance(config, MoEConfig):
@@ -246,6 +374,8 @@ class AllToAll:
         self._backend = fwd
         self._plan = ad.Plan(config, axis_name, fwd, dispatch_grad, combine_grad)
         self._closed = False
+        self._serial = next(_HANDLE_SERIALS)
+        self._dispatch_order, self._combine_order = _Half("dispatch"), _Half("combine")
 
     def _make_backend(self, config: MoEConfig):
         if self.backend_name == "reference":
@@ -312,7 +442,8 @@ class AllToAll:
         only here or in poll(): a decode loop should poll() every step or check() every few."""
         for b in self._backends:
             check = getattr(b, "check", None)
-            if check is not None:
+            if check is not None and (not self._closed or getattr(b, "checks_after_close",
+                                                                  False)):
                 check()
 
     def poll(self) -> None:
@@ -335,6 +466,15 @@ class AllToAll:
             recover = getattr(b, "recover", None)
             if recover is not None:
                 recover()
+
+    def _own(self, pending, kind: str) -> None:
+        """Refuse another handle's pending (its recv would take this handle's cycle)."""
+        if pending.owner != self._serial:
+            raise ProtocolError(
+                f"{kind}_recv was given a Pending{kind.capitalize()} made by another AllToAll "
+                f"handle (#{pending.owner}, this is #{self._serial}): a recv takes the cycle "
+                f"in flight on its own handle. Call {kind}_recv on the handle whose "
+                f"{kind}_send returned it.")
 
     def _live(self):
         if self._closed:
@@ -365,6 +505,7 @@ class AllToAll:
         quantize = rt.check_tokens(cfg, x, x_scale)
         rt.check_routing(cfg, indices, weights)
         num_tokens = rt.check_num_tokens(cfg, num_tokens)
+        serial = self._dispatch_order.send(fused)
         if weights is None:
             first, merged = rt.first_occurrence(indices), None
         else:
@@ -372,7 +513,8 @@ class AllToAll:
         sent, sent_scale = (quant.quantize(jax.lax.stop_gradient(x)) if quantize
                             else (x, x_scale))
         state = ad.dispatch_send(self._plan, sent, sent_scale, first, num_tokens, merged, fused)
-        return PendingDispatch(state, ad.DispatchArgs(x, x_scale, first, num_tokens, merged))
+        return PendingDispatch(state, ad.DispatchArgs(x, x_scale, first, num_tokens, merged),
+                               self._serial, serial)
 
     def dispatch_recv(self, pending: PendingDispatch) -> DispatchOutput:
         """Wait for every peer's tokens and lay them out per local expert (self.layout)."""
@@ -382,6 +524,8 @@ class AllToAll:
             raise TypeError(f"dispatch_recv takes the PendingDispatch that dispatch_send "
                             f"returned, got {what}")
         self._live()
+        self._own(pending, "dispatch")
+        self._dispatch_order.recv(pending.serial)
         a = pending.args
         dequantize = self.config.is_fp8 and a.x_scale is None
         expert_x, scale, counts, routing, ew = _named(ad.dispatch_recv(
@@ -425,8 +569,10 @@ class AllToAll:
         else:
             rt.check_array("expert_y", expert_y, (L, R, H), cfg.combine_dtype,
                            hint="layout='padded': one row per expert_x row")
+        serial = self._combine_order.send(fused)
         state = ad.combine_send(self._plan, expert_y, routing.backend, fused)
-        return PendingCombine(state, ad.CombineArgs(expert_y, routing.backend))
+        return PendingCombine(state, ad.CombineArgs(expert_y, routing.backend), self._serial,
+                              serial)
 
     def combine_recv(self, pending: PendingCombine, indices, weights, num_tokens) -> jax.Array:
         """Wait for every row of this rank's tokens; y[t] = sum_j weights[t,j] * row(t,j).
@@ -439,6 +585,8 @@ class AllToAll:
             raise TypeError(f"combine_recv takes the PendingCombine that combine_send "
                             f"returned, got {what}")
         self._live()
+        self._own(pending, "combine")
+        self._combine_order.recv(pending.serial)
         cfg = self.config
         rt.check_routing(cfg, indices, weights)
         num_tokens = rt.check_num_tokens(cfg, num_tokens)

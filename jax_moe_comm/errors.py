@@ -24,7 +24,11 @@ class CorruptDataError(MoECommError):
 
 
 class ProtocolError(MoECommError):
-    """The split API was misused: a recv without its send, two sends in flight on one handle."""
+    """The API was misused: a recv without its send, two sends in flight on one handle,
+    another handle's pending, a call on a closed handle, a handle created while tracing.
+    Raised at trace time where the traced function shows it, else by check() (the kernels
+    refuse the launch; the handle is then unusable until recover() on every rank, or close
+    it and create a new one)."""
 
 
 class NativeUnavailableError(MoECommError):

@@ -1,111 +1,555 @@
 """Flax NNX module: a MoE layer over the all-to-all (`pip install jax_moe_comm[flax]`).
 
-    mesh = jax.make_mesh((8,), ("ep",))
+    mesh = jax.make_mesh((2, 4), ("data", "expert"))
     moe = jax_moe_comm.flax.MoE(num_experts=32, experts_per_token=4, hidden=256, ffn=512,
-                                max_num_tokens=32, mesh=mesh, rngs=nnx.Rngs(0))
-    y = nnx.jit(lambda m, x, n: m(x, n))(moe, x, num_tokens)   # x [8*32, 256], num_tokens [8]
+                                max_num_tokens=64, mesh=mesh, expert_axis="expert",
+                                data_axes="data", rngs=nnx.Rngs(0))
+    y = nnx.jit(lambda m, x: m(x))(moe, x)          # x [B, S, 256] or [T, 256], global
     moe.close()
 
-The module holds the AllToAll handle, the router, the experts (sharded over the mesh axis:
-rank r holds experts [r*L, (r+1)*L)) and an optional shared expert (replicated), and calls
-jax.shard_map itself: its inputs and outputs are global arrays, rows sharded over the axis.
-The layer is jax_moe_comm.moe.moe_forward: top-k softmax router, dispatch, the shared expert
-while tokens are in flight, SiLU MLP experts (their GEMMs as `expert_gemm` says; default
-"auto", the fastest measured on the platform: expert_gemm.py), combine. It trains under
-nnx.jit/nnx.grad on both backends (the handle is made differentiable=True unless told
-otherwise; gradient rules: autodiff.py).
+Inputs and outputs are global arrays: x [B, S, H] or [T, H], its tokens (B*S rows, batch-major)
+sharded over the token axes, `data_axes` then `expert_axis` (a mesh axis or a tuple of them).
+The all-to-all runs along the expert axis; experts are sharded over it (rank r holds experts
+[r*L, (r+1)*L)) and replicated over the data axes; router and shared expert are replicated.
+On the nvshmem backend the expert axis must span every process (one GPU each): with a
+("data", "expert") mesh there, pass expert_axis=("data", "expert") (DeepSeek's data-parallel
+attention with expert parallelism over all GPUs).
+
+Per rank, the layer is moe.moe_forward with the router of router.py: scores, (grouped) top-k,
+expert bias, normalized weights; dispatch, the shared expert while tokens are in flight, SiLU
+MLP experts (as `expert_gemm` says), combine. It trains under nnx.jit/nnx.grad on both
+backends (handles are made differentiable unless told otherwise).
+
+Handles are created outside any trace, never under nnx.eval_shape or jit: by the constructor
+when it runs eagerly (`eager_handles=True`, default), else by `create_handles(model)` (one
+handle per distinct layer shape, shared by the layers of a model) or on the first eager call.
+`max_num_tokens` (per rank) may be several budgets, e.g. (512, 8) for prefill and decode: a
+call uses the smallest that holds its tokens per rank (padding up to it).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from .api import AllToAll
-from .moe import MoELayerConfig, moe_forward
+from . import router as rtr
+from .api import AllToAll, _under_trace, order_after
+from .errors import ProtocolError
+from .moe import MoELayerConfig, experts_forward, mlp
 
-EXPERT_PARAMS = ("w_in", "w_out")  # sharded over the mesh axis along experts
+EXPERT_PARAMS = ("w_in", "w_out")  # sharded over the expert axis along experts
+LOGICAL_AXES = {"router": ("embed", None), "w_in": ("expert", "embed", "mlp"),
+                "w_out": ("expert", "mlp", "embed"), "shared_in": ("embed", "mlp"),
+                "shared_out": ("mlp", "embed"), "expert_bias": (None,)}
+
+
+class ExpertBias(nnx.Variable):
+    """Per-expert selection bias of the router (DeepSeek-V3's aux-loss-free balancing): not an
+    nnx.Param, so optimizers over nnx.Param leave it alone; update it with update_bias."""
+
+
+class MoEAux(NamedTuple):
+    aux_loss: jax.Array  # [] f32: router.aux_loss_coef * load_balancing_loss (global)
+    expert_load: jax.Array  # [E] f32: routed slots per expert over every rank
+
+
+class _Handles:
+    """The layer's AllToAll per token budget; a static attribute shared by identity between
+    the copies of the module graph that nnx transforms make."""
+
+    def __init__(self):
+        self.by_budget: dict[int, AllToAll] = {}
+
+
+def _axes(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _spec_entry(axes: tuple[str, ...]):
+    return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+
+# N(0, 1/fan_in): of a [E, in, out] expert stack per expert, and of an [in, out] kernel.
+EXPERT_INIT = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=-2,
+                                                out_axis=-1, batch_axis=(0,))
+KERNEL_INIT = nnx.initializers.variance_scaling(1.0, "fan_in", "normal")
+
+
+def _zeros(key, shape, dtype):
+    return jnp.zeros(shape, dtype)
+
+
+@functools.cache
+def _maker(init, shape, dtype, sharding):
+    """init(key, shape, dtype) compiled to make each shard where it lives (cached: a model of
+    many equal layers compiles it once)."""
+    return jax.jit(lambda key: init(key, shape, dtype), out_shardings=sharding)
 
 
 class MoE(nnx.Module):
-    """A MoE layer on `mesh`'s `axis_name` (the expert-parallel axis).
+    """A MoE layer on `mesh` (module docstring). Arguments:
 
-    Call it on global arrays: x [world_size * max_num_tokens, hidden] bf16 (rank r's tokens in
-    rows [r*max_num_tokens, (r+1)*max_num_tokens)) and num_tokens [world_size] int32 (live rows
-    of each rank; the rest are padding and give zero rows). Returns y like x. num_tokens can
-    change every call without recompiling.
-
-    Parameters (nnx.Param): router [H, E] f32, w_in [E, H, F] and w_out [E, F, H] bf16 sharded
-    over the axis, shared_in [H, F] and shared_out [F, H] bf16 when shared_expert.
-    differentiable (default True): the handle also holds the backward all-to-alls' buffers,
-    so that nnx.grad works (on every backend); pass False for inference only, to save them.
-    expert_gemm: how the experts' GEMMs run (jax_moe_comm.expert_gemm.OPTIONS; "auto": the
-    fastest measured on the platform).
-    Call close() when done (collective): it frees the handle's buffers.
+    num_experts E, experts_per_token k, hidden H, ffn F (per expert), max_num_tokens: tokens
+      per rank, an int or several budgets.
+    expert_axis: the mesh axis (or tuple of axes) of expert parallelism; `axis_name` is its
+      old name (default "ep"). data_axes: mesh axes that shard the tokens too, experts
+      replicated over them.
+    shared_expert, shared_ffn (default F): a replicated SiLU MLP every token goes through.
+    router: router.RouterConfig (softmax/sigmoid, groups, expert bias, aux loss).
+    dtype: compute dtype of the MLPs and of y (tokens travel bf16, or fp8 with fp8_dispatch);
+      param_dtype: of the parameters; the router runs in f32.
+    expert_init, kernel_init (shared expert [in, out]), router_init: initializers (key,
+      shape, dtype); the parameters carry their partition specs (nnx.with_partitioning,
+      LOGICAL_AXES as `logical_axes` metadata), so nnx.eval_shape, sharded init and Orbax
+      restore place them without creating the handle.
+    backend, layout, differentiable, expert_gemm, fp8_dispatch: as AllToAll / MoELayerConfig.
+    eager_handles: create the handles now when not tracing (else: create_handles(model)).
     """
 
     def __init__(self, *, num_experts: int, experts_per_token: int, hidden: int, ffn: int,
-                 max_num_tokens: int, mesh: jax.sharding.Mesh, axis_name: str = "ep",
-                 shared_expert: bool = True, fp8_dispatch: bool = False,
-                 backend: str = "auto", layout: str = "packed", differentiable: bool = True,
-                 expert_gemm: str = "auto", rngs: nnx.Rngs):
-        if axis_name not in mesh.shape:
-            raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh, whose axes "
-                             f"are {tuple(mesh.shape)}: pass axis_name= the expert-parallel one")
+                 max_num_tokens: int | Sequence[int], mesh: jax.sharding.Mesh,
+                 expert_axis: str | Sequence[str] | None = None,
+                 data_axes: str | Sequence[str] = (), axis_name: str | None = None,
+                 shared_expert: bool = True, shared_ffn: int | None = None,
+                 router: rtr.RouterConfig | None = None, dtype: Any = jnp.bfloat16,
+                 param_dtype: Any = jnp.float32, expert_init=None, kernel_init=None,
+                 router_init=None, fp8_dispatch: bool = False, backend: str = "auto",
+                 layout: str = "packed", differentiable: bool = True,
+                 expert_gemm: str = "auto", eager_handles: bool = True, rngs: nnx.Rngs):
+        self.mesh = mesh
+        self.expert_axes, self.data_axes = self._check_axes(mesh, expert_axis, axis_name,
+                                                            data_axes)
+        budgets = (max_num_tokens,) if isinstance(max_num_tokens, (int, np.integer)) else \
+            tuple(max_num_tokens)
+        if not budgets or any(not isinstance(b, (int, np.integer)) or b < 1 for b in budgets):
+            raise ValueError(f"max_num_tokens={max_num_tokens!r}: one or more positive ints "
+                             "(tokens per rank of each handle)")
+        self.budgets = tuple(sorted({int(b) for b in budgets}))
+        self.router_cfg = router or rtr.RouterConfig()
+        self.router_cfg.check(num_experts, experts_per_token)
+        if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+            raise TypeError(f"dtype={jnp.dtype(dtype).name}: bfloat16 or float32")
+        self.dtype, self.param_dtype = jnp.dtype(dtype), jnp.dtype(param_dtype)
         self.layer = MoELayerConfig(num_experts=num_experts, experts_per_token=experts_per_token,
-                                    hidden=hidden, ffn=ffn, max_num_tokens=max_num_tokens,
+                                    hidden=hidden, ffn=ffn, max_num_tokens=self.budgets[-1],
                                     shared_expert=shared_expert, fp8_dispatch=fp8_dispatch,
                                     expert_gemm=expert_gemm)
-        self.mesh = mesh
-        self.axis_name = axis_name
-        self.a2a = AllToAll(self.layer.comm_config(mesh.shape[axis_name]), axis_name=axis_name,
-                            backend=backend, layout=layout, differentiable=differentiable)
-        H, F, E = hidden, ffn, num_experts
-        bf16 = jnp.bfloat16
-        self.router = nnx.Param(self._init(rngs, (H, E), H, jnp.float32, P()))
-        self.w_in = nnx.Param(self._init(rngs, (E, H, F), H, bf16, P(axis_name)))
-        self.w_out = nnx.Param(self._init(rngs, (E, F, H), F, bf16, P(axis_name)))
-        if shared_expert:
-            self.shared_in = nnx.Param(self._init(rngs, (H, F), H, bf16, P()))
-            self.shared_out = nnx.Param(self._init(rngs, (F, H), F, bf16, P()))
+        self.ep = int(np.prod([mesh.shape[a] for a in self.expert_axes]))
+        self.comm = self.layer.comm_config(self.ep)  # validates E % EP, H, k
+        self.backend_arg, self.layout, self.differentiable = backend, layout, differentiable
+        self.handles = _Handles()
 
-    def _init(self, rngs: nnx.Rngs, shape, fan_in: int, dtype, spec):
-        """N(0, 1/fan_in) made where it lives: each process computes only its own shards."""
-        sharding = NamedSharding(self.mesh, spec)
-        make = jax.jit(lambda key: (jax.random.normal(key, shape, jnp.float32)
-                                    / np.sqrt(fan_in)).astype(dtype), out_shardings=sharding)
-        return make(rngs.params())
+        H, F, E, SF = hidden, ffn, num_experts, shared_ffn or ffn
+        kernel_init = kernel_init or KERNEL_INIT
+        router_init = router_init or kernel_init
+        expert_init = expert_init or EXPERT_INIT
+        self.router = self._param(rngs, "router", router_init, (H, E), jnp.float32)  # f32
+        self.w_in = self._param(rngs, "w_in", expert_init, (E, H, F))
+        self.w_out = self._param(rngs, "w_out", expert_init, (E, F, H))
+        if shared_expert:
+            self.shared_in = self._param(rngs, "shared_in", kernel_init, (H, SF))
+            self.shared_out = self._param(rngs, "shared_out", kernel_init, (SF, H))
+        if self.router_cfg.expert_bias:
+            zeros = _maker(_zeros, (E,), jnp.dtype(jnp.float32), NamedSharding(mesh, P()))
+            self.expert_bias = ExpertBias(nnx.with_partitioning(
+                lambda *_: zeros(jax.random.key(0)), (None,), mesh=mesh,
+                logical_axes=LOGICAL_AXES["expert_bias"])(None))
+        if eager_handles and not _under_trace():
+            self.create_handles()
+
+    # -- construction ------------------------------------------------------------------------
+    @staticmethod
+    def _check_axes(mesh, expert_axis, axis_name, data_axes):
+        if expert_axis is not None and axis_name is not None and \
+                _axes(expert_axis) != _axes(axis_name):
+            raise ValueError(f"expert_axis={expert_axis!r} and axis_name={axis_name!r} "
+                             "disagree; axis_name is the old name of expert_axis: pass one")
+        name = "axis_name" if expert_axis is None else "expert_axis"
+        expert = _axes(expert_axis if expert_axis is not None else (axis_name or "ep"))
+        data = _axes(data_axes)
+        for label, axes in ((name, expert), ("data_axes", data)):
+            for a in axes:
+                if a not in mesh.shape:
+                    shown = axes[0] if len(axes) == 1 and label == name else axes
+                    raise ValueError(
+                        f"{label}={shown!r} is not an axis of the mesh, whose axes are "
+                        f"{tuple(mesh.shape)}: pass {label}= " +
+                        ("the expert-parallel one" if label == name else
+                         "the mesh axes that shard the tokens besides the expert axis"))
+        if not expert:
+            raise ValueError(f"{name} names no mesh axis: give the expert-parallel axis")
+        both = set(expert) & set(data)
+        if both or len(set(expert)) < len(expert) or len(set(data)) < len(data):
+            raise ValueError(f"expert_axis {expert} and data_axes {data} must name distinct "
+                             f"mesh axes (repeated: {sorted(both) or 'within one'})")
+        return expert, data
+
+    def _spec(self, name: str) -> tuple:
+        ep = _spec_entry(self.expert_axes)
+        return {"router": (None, None), "w_in": (ep, None, None), "w_out": (ep, None, None),
+                "shared_in": (None, None), "shared_out": (None, None)}[name]
+
+    def _param(self, rngs, name, init, shape, dtype=None):
+        """nnx.Param made where it lives (each process computes only its shards), with its
+        partition spec (nnx.with_partitioning) and logical axes as metadata."""
+        dtype = dtype or self.param_dtype
+        spec = self._spec(name)
+        sharding = NamedSharding(self.mesh, P(*spec))
+
+        def make(key, shape, dtype):
+            return _maker(init, tuple(shape), jnp.dtype(dtype), sharding)(key)
+
+        return nnx.Param(nnx.with_partitioning(make, spec, mesh=self.mesh,
+                                               logical_axes=LOGICAL_AXES[name])(
+            rngs.params(), shape, dtype))
+
+    # -- handles -----------------------------------------------------------------------------
+    def handle_key(self, budget: int) -> tuple:
+        """Layers with equal keys can share a handle (create_handles does)."""
+        return (dataclasses.replace(self.comm, max_num_tokens=budget), self.expert_axes,
+                self.mesh, self.backend_arg, self.layout, self.differentiable)
+
+    def create_handles(self, shared: dict | None = None) -> None:
+        """Create this layer's handles (collective: every process, same order; outside any
+        trace). `shared`: {handle_key: AllToAll} to reuse and fill (create_handles(model))."""
+        if _under_trace():
+            raise ProtocolError(
+                "the MoE layer's all-to-all handles cannot be created while JAX is tracing "
+                "(jit, eval_shape, an nnx transform): call jax_moe_comm.flax.create_handles"
+                "(model) once, outside, after building or restoring the model")
+        self._check_device_order()
+        for budget in self.budgets:
+            if budget in self.handles.by_budget:
+                continue
+            key = self.handle_key(budget)
+            a2a = None if shared is None else shared.get(key)
+            if a2a is None:
+                a2a = AllToAll(key[0], axis_name=_spec_entry(self.expert_axes),
+                               backend=self.backend_arg, layout=self.layout,
+                               differentiable=self.differentiable)
+                if shared is not None:
+                    shared[key] = a2a
+            self.handles.by_budget[budget] = a2a
+
+    def _check_device_order(self):
+        from .api import resolve_backend
+
+        if resolve_backend(self.backend_arg, None) != "nvshmem":
+            return
+        if any(self.mesh.shape[a] > 1 for a in self.data_axes):
+            raise ValueError(
+                f"data_axes={self.data_axes} shard the tokens over more than the expert axis, "
+                "but the nvshmem backend's all-to-all spans every process (one GPU each): pass "
+                f"expert_axis={self.data_axes + self.expert_axes} (experts sharded over all "
+                "of them), or backend='reference'")
+        order = [self.mesh.axis_names.index(a) for a in self.expert_axes]
+        rest = [i for i in range(self.mesh.devices.ndim) if i not in order]
+        devices = np.transpose(self.mesh.devices, rest + order).reshape(-1)
+        procs = [d.process_index for d in devices]
+        if procs != sorted(procs):
+            raise ValueError(
+                f"the mesh puts expert-parallel rank r on process {procs}: the nvshmem backend "
+                "needs rank r on process r. Build the mesh from jax.devices() in order, e.g. "
+                "jax.sharding.Mesh(np.array(jax.devices()).reshape(...), names)")
+
+    def handle(self, rows_per_rank: int | None = None) -> AllToAll:
+        """The handle of the smallest budget >= rows_per_rank (default: the largest)."""
+        budget = self._budget(rows_per_rank or self.budgets[-1])
+        a2a = self.handles.by_budget.get(budget)
+        if a2a is None:
+            if _under_trace():
+                raise ProtocolError(
+                    "this MoE layer has no all-to-all handle yet (it was built under a trace: "
+                    "nnx.eval_shape, a jitted init, or restored from a checkpoint). Call "
+                    "jax_moe_comm.flax.create_handles(model) once, outside jit, before the "
+                    "first jitted call (collective: every process, same order)")
+            self.create_handles()
+            a2a = self.handles.by_budget[budget]
+        return a2a
+
+    @property
+    def a2a(self) -> AllToAll:
+        """The handle of the largest budget (created on first use outside a trace)."""
+        return self.handle()
 
     @property
     def config(self):
-        """The all-to-all's MoEConfig (world_size, per-rank max_num_tokens, ...)."""
+        """The all-to-all's MoEConfig at the largest budget (world_size, max_num_tokens...)."""
         return self.a2a.config
 
-    def _params(self) -> dict:
-        names = ["router", "w_in", "w_out"] + (["shared_in", "shared_out"]
-                                               if self.layer.shared_expert else [])
-        return {n: getattr(self, n)[...] for n in names}
+    @property
+    def axis_name(self):
+        return _spec_entry(self.expert_axes)
 
-    def __call__(self, x, num_tokens):
-        axis = self.axis_name
-        params = self._params()
-        specs = {n: (P(axis) if n in EXPERT_PARAMS else P()) for n in params}
-        rows = P(axis)
-        x = _place(x, NamedSharding(self.mesh, rows))
-        num_tokens = _place(jnp.asarray(num_tokens, jnp.int32), NamedSharding(self.mesh, rows))
-
-        def body(p, x, n):
-            return moe_forward(self.a2a, self.layer, p, x, n.reshape(()))
-
-        return jax.shard_map(body, mesh=self.mesh, in_specs=(specs, rows, rows),
-                             out_specs=rows)(params, x, num_tokens)
+    def _budget(self, rows: int) -> int:
+        for b in self.budgets:
+            if rows <= b:
+                return b
+        raise ValueError(
+            f"x has {rows} tokens per rank, more than the largest max_num_tokens="
+            f"{self.budgets[-1]} of this layer (tokens per rank of its handles): pass "
+            f"max_num_tokens={self.budgets[:-1] + (rows,)} or a smaller batch")
 
     def close(self) -> None:
-        """Free the all-to-all handle (collective: every process closes its module)."""
-        self.a2a.close()
+        """Close this layer's handles (collective). Shared ones: close_handles(model)."""
+        for a2a in self.handles.by_budget.values():
+            a2a.close()
+        self.handles.by_budget.clear()
+
+    # -- parameters ----------------------------------------------------------------------------
+    def _params(self) -> dict:
+        """The parameters as the layer computes with them: router f32, the rest in dtype."""
+        names = ["router", "w_in", "w_out"] + (["shared_in", "shared_out"]
+                                               if self.layer.shared_expert else [])
+        out = {n: getattr(self, n)[...] for n in names}
+        return {n: v.astype(jnp.float32 if n == "router" else self.dtype)
+                for n, v in out.items()}
+
+    def _bias(self):
+        return self.expert_bias[...] if self.router_cfg.expert_bias else None
+
+    def update_bias(self, expert_load, rate: float = 1e-3) -> None:
+        """router.balance_bias on this layer's ExpertBias (aux-loss-free balancing)."""
+        if not self.router_cfg.expert_bias:
+            raise ValueError("this layer has no expert bias: RouterConfig(expert_bias=True)")
+        self.expert_bias[...] = rtr.balance_bias(self.expert_bias[...], expert_load, rate)
+
+    # -- the call ------------------------------------------------------------------------------
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        return self.data_axes + self.expert_axes
+
+    @property
+    def num_token_shards(self) -> int:
+        return int(np.prod([self.mesh.shape[a] for a in self.token_axes]))
+
+    def __call__(self, x, num_tokens=None, *, mask=None, return_aux: bool = False):
+        """y like x ([B, S, H] or [T, H], dtype `dtype`).
+
+        num_tokens: None (every token live), a scalar (the first num_tokens rows of x
+          flattened to [T, H] are live), or [num_token_shards] int32 (live rows of each
+          shard's block, counted from its start). Dead rows give zero rows.
+        mask: optional bool [B, S] / [T]: tokens where it is False route nowhere (zero rows).
+        return_aux: also return MoEAux: router.aux_loss_coef * the load-balancing loss and the
+          expert load (routed slots per expert), over every token (a psum over the token
+          axes: XLA's all-reduce). Add the loss to the training loss; feed the load to
+          update_bias (expert_bias).
+        """
+        flat, lead = self._flatten(x)
+        m = flat.shape[0] // self.num_token_shards
+        a2a = self.handle(m)
+        counts = self._counts(num_tokens, flat.shape[0], m)
+        live_mask = self._mask(mask, lead, flat.shape[0])
+        y, aux = self._shard_mapped(a2a, flat, counts, live_mask, return_aux)
+        y = y.reshape(lead + (flat.shape[-1],))
+        return (y, aux) if return_aux else y
+
+    def _flatten(self, x):
+        H = self.layer.hidden
+        shape = tuple(getattr(x, "shape", ()))
+        if len(shape) not in (2, 3) or shape[-1] != H:
+            raise ValueError(f"x has shape {shape}; expected [B, S, {H}] or [T, {H}] (hidden="
+                             f"{H}), a global array")
+        lead = shape[:-1]
+        T = int(np.prod(lead))
+        n = self.num_token_shards
+        if T % n:
+            axes = " x ".join(f"{a}={self.mesh.shape[a]}" for a in self.token_axes)
+            raise ValueError(f"x has {T} tokens ({' x '.join(map(str, lead))}), not a multiple "
+                             f"of the {n} token shards (mesh axes {axes}): pad the batch to a "
+                             f"multiple of {n} tokens")
+        flat = jnp.asarray(x).reshape(T, H)
+        return _place(flat, NamedSharding(self.mesh, P(_spec_entry(self.token_axes)))), lead
+
+    def _counts(self, num_tokens, T: int, m: int):
+        """[num_token_shards] int32 live rows per shard."""
+        n = self.num_token_shards
+        rows = NamedSharding(self.mesh, P(_spec_entry(self.token_axes)))
+        if num_tokens is None:
+            return _place(jnp.full((n,), m, jnp.int32), rows)
+        shape = tuple(getattr(num_tokens, "shape", ()))
+        if shape in ((), (1,)) and (n > 1 or shape == ()):
+            total = jnp.asarray(num_tokens, jnp.int32).reshape(())
+            start = jnp.arange(n, dtype=jnp.int32) * m
+            return _place(jnp.clip(total - start, 0, m).astype(jnp.int32), rows)
+        if shape != (n,):
+            raise ValueError(
+                f"num_tokens has shape {shape}; expected None (every token live), a scalar "
+                f"(the first num_tokens of the {T} rows of x are live) or [{n}] int32: live "
+                f"rows per token shard (mesh axes {self.token_axes})")
+        if not jnp.issubdtype(jnp.asarray(num_tokens).dtype, jnp.integer):
+            raise TypeError("num_tokens must be int32 (counts of rows)")
+        return _place(jnp.asarray(num_tokens, jnp.int32), rows)
+
+    def _mask(self, mask, lead, T: int):
+        if mask is None:
+            mask = jnp.ones(lead, bool)
+        if tuple(getattr(mask, "shape", ())) != lead:
+            raise ValueError(f"mask has shape {tuple(getattr(mask, 'shape', ()))}; expected "
+                             f"{lead}, one bool per token of x")
+        flat = jnp.asarray(mask, bool).reshape(-1)
+        return _place(flat, NamedSharding(self.mesh, P(_spec_entry(self.token_axes))))
+
+    def _shard_mapped(self, a2a, x, counts, mask, want_aux: bool):
+        tok = P(_spec_entry(self.token_axes))
+        params = self._params()
+        specs = {n: P(*self._spec(n)) for n in params}
+        bias = self._bias()
+        if bias is None:
+            bias = jnp.zeros((self.layer.num_experts,), jnp.float32)
+        token_axes, cfg, k = self.token_axes, self.router_cfg, self.layer.experts_per_token
+
+        def body(p, x, n, mask, bias):
+            m, budget = x.shape[0], a2a.config.max_num_tokens
+            live = (jnp.arange(m) < n.reshape(())) & mask
+            xb = x.astype(jnp.bfloat16)
+            if budget > m:  # the smallest handle that holds m rows: pad up to it
+                xb = jnp.pad(xb, ((0, budget - m), (0, 0)))
+            lv = jnp.pad(live, (0, budget - m))
+            y, stats = layer_forward(a2a, self.layer, cfg, p, xb, lv, bias)
+            y = y[:m].astype(self.dtype)
+            if not want_aux:
+                return y, None
+            stats = jax.lax.psum(rtr.LoadStats(*(s.astype(jnp.float32) for s in stats)),
+                                 token_axes)
+            loss = cfg.aux_loss_coef * rtr.load_balancing_loss(stats, k)
+            return y, MoEAux(loss, stats.slots)
+
+        aux_spec = MoEAux(P(), P()) if want_aux else None
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(specs, tok, tok, tok, P()),
+                             out_specs=(tok, aux_spec))(params, x, counts, mask, bias)
+
+    def dense(self, x, num_tokens=None, *, mask=None, params=None):
+        """The same layer with every expert applied densely and no all-to-all (the oracle):
+        on global arrays under XLA's partitioner, or, with `params` (full values, e.g. from
+        gather_params), on whatever device x is on."""
+        flat, lead = self._flatten(x) if params is None else (
+            jnp.asarray(x).reshape(-1, self.layer.hidden), tuple(x.shape[:-1]))
+        p = dict(params if params is not None else self._params())
+        bias = p.pop("expert_bias", None)
+        if bias is None and self.router_cfg.expert_bias:
+            bias = self._bias()
+            if params is not None:  # a local copy, on x's device (the bias is replicated)
+                bias = np.asarray(bias if bias.is_fully_addressable else
+                                  bias.addressable_data(0))
+        p = {n: jnp.asarray(v).astype(jnp.float32 if n == "router" else self.dtype)
+             for n, v in p.items()}
+        T = flat.shape[0]
+        live = jnp.ones((T,), bool)
+        if num_tokens is not None:
+            shape = tuple(getattr(num_tokens, "shape", ()))
+            if shape in ((), (1,)):
+                live = jnp.arange(T) < jnp.asarray(num_tokens).reshape(())
+            else:
+                m = T // shape[0]
+                live = (jnp.arange(T) % m) < jnp.repeat(jnp.asarray(num_tokens), m)
+        if mask is not None:
+            live = live & jnp.asarray(mask, bool).reshape(-1)
+        y, _ = dense_layer_forward(self.layer, self.router_cfg, p,
+                                   flat.astype(jnp.bfloat16), live, bias)
+        return y.astype(self.dtype).reshape(lead + (self.layer.hidden,))
+
+
+# -- the layer, per rank -------------------------------------------------------------------------
+def route_tokens(layer: MoELayerConfig, cfg: rtr.RouterConfig, router, x, live, bias=None):
+    """(router.Routed with dead rows' indices -1, LoadStats) of x [m, H] per rank."""
+    logits = jnp.dot(x.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
+    routed = rtr.route(cfg, logits, layer.experts_per_token, bias)
+    indices = jnp.where(live[:, None], routed.indices, -1)
+    return routed._replace(indices=indices), rtr.load_stats(routed, live)
+
+
+def layer_forward(a2a: AllToAll, layer: MoELayerConfig, cfg: rtr.RouterConfig, params, x,
+                  live, bias=None):
+    """Per rank, inside shard_map: x [max_m, H] bf16, live [max_m] bool -> (y [max_m, H] bf16,
+    LoadStats). Dead rows route nowhere and give zero rows (padding need not come last)."""
+    routed, stats = route_tokens(layer, cfg, params["router"], x, live, bias)
+    # rows up to the last live one go (dead ones route nowhere); the rest are not read
+    n = jnp.max(jnp.where(live, jnp.arange(1, x.shape[0] + 1), 0)).astype(jnp.int32)
+    pending = a2a.dispatch_send(x, routed.indices, n)
+    shared = None
+    if layer.shared_expert:  # runs while the tokens are on the wire
+        shared = mlp(x, params["shared_in"], params["shared_out"])
+        pending = pending._replace(state=order_after(pending.state, shared))
+    out = a2a.dispatch_recv(pending)
+    expert_y = experts_forward(a2a, params, out, layer.expert_gemm)
+    y = a2a.combine(expert_y, out.routing, routed.indices, routed.weights, n)
+    y = y.astype(jnp.float32)
+    if shared is not None:
+        y = y + shared
+    return jnp.where(live[:, None], y, 0.0).astype(jnp.bfloat16), stats
+
+
+def dense_layer_forward(layer: MoELayerConfig, cfg: rtr.RouterConfig, params, x, live,
+                        bias=None):
+    """layer_forward on one device with every expert applied densely (the oracle)."""
+    from . import quant
+
+    routed, stats = route_tokens(layer, cfg, params["router"], x, live, bias)
+    xe = quant.fake_quantize(x) if layer.fp8_dispatch else x
+
+    def add_expert(e, y):
+        w = jnp.sum(jnp.where(routed.indices == e, routed.weights, 0.0), axis=-1,
+                    keepdims=True)
+        ye = mlp(xe, params["w_in"][e], params["w_out"][e]).astype(jnp.bfloat16)
+        return y + w * ye.astype(jnp.float32)
+
+    y = jax.lax.fori_loop(0, layer.num_experts, add_expert, jnp.zeros(x.shape, jnp.float32))
+    y = y.astype(jnp.bfloat16).astype(jnp.float32)  # combine's bf16 output
+    if layer.shared_expert:
+        y = y + mlp(x, params["shared_in"], params["shared_out"])
+    return jnp.where(live[:, None], y, 0.0).astype(jnp.bfloat16), stats
+
+
+# -- a model's MoE layers ------------------------------------------------------------------------
+def moe_layers(model) -> list[MoE]:
+    """Every MoE module in `model`'s graph, in graph order."""
+    return [node for _, node in nnx.iter_graph(model) if isinstance(node, MoE)]
+
+
+def create_handles(model) -> int:
+    """Create the handles of every MoE layer of `model` that has none (collective: every
+    process, same order; outside any trace), one per distinct layer shape and budget, shared
+    by the layers. Returns how many handles the model uses."""
+    shared: dict = {}
+    for layer in moe_layers(model):
+        for budget, a2a in layer.handles.by_budget.items():  # reuse what exists
+            shared.setdefault(layer.handle_key(budget), a2a)
+    for layer in moe_layers(model):
+        layer.create_handles(shared)
+    return len({id(a) for layer in moe_layers(model) for a in layer.handles.by_budget.values()})
+
+
+def close_handles(model) -> None:
+    """Close every handle of `model`'s MoE layers once (collective)."""
+    seen = {}
+    for layer in moe_layers(model):
+        for a2a in layer.handles.by_budget.values():
+            seen[id(a2a)] = a2a
+        layer.handles.by_budget.clear()
+    for a2a in seen.values():
+        a2a.close()
+
+
+def check_handles(model) -> None:
+    """AllToAll.check() of every handle of `model` (a decode loop calls it every few steps)."""
+    seen = {}
+    for layer in moe_layers(model):
+        for a2a in layer.handles.by_budget.values():
+            seen[id(a2a)] = a2a
+    for a2a in seen.values():
+        a2a.check()
 
 
 def _place(x, sharding: NamedSharding):

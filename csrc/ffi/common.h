@@ -65,7 +65,7 @@ inline xla::ffi::Error begin(int64_t id, Op op, Call* call) {
   if (!recorded.empty())
     return xla::ffi::Error(xla::ffi::ErrorCode::kAborted,
                            recorded + " (handle " + std::to_string(id) +
-                               " is unusable: close it and create a new AllToAll)");
+                               " is unusable: recover() it on every rank, or close it)");
   return xla::ffi::Error::Success();
 }
 

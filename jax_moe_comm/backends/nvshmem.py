@@ -81,6 +81,7 @@ def creation_mismatch(rank: int, everyone: list[dict]) -> str:
 
 class NvshmemBackend:
     name = "nvshmem"
+    checks_after_close = True  # check() reports a launch replayed after close() (kStaleLaunch)
     fused_ops = True  # dispatch() and combine(): both halves in one launch (autodiff.py)
 
     def __init__(self, cfg: MoEConfig, axis_name, tuning: KernelTuning,

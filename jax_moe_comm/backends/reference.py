@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from ..config import MoEConfig
-from ..errors import InvalidRoutingError
+from ..errors import InvalidRoutingError, ProtocolError
 from ..routing import destination, row_key, sent_slots, valid_slots
+from . import host_check as hc
 
 
 class PendingDispatch(NamedTuple):
@@ -42,18 +43,30 @@ class Routing(NamedTuple):
 class PendingCombine(NamedTuple):
     expert_y: jax.Array  # [L, max_recv, H]
     routing: Routing
+    ticket: jax.Array | None = None  # int32 zero from combine_send's protocol visit
 
 
 class ReferenceBackend:
     name = "reference"
 
-    def __init__(self, cfg: MoEConfig, axis_name, check_routing: bool = True):
+    def __init__(self, cfg: MoEConfig, axis_name, check_routing: bool = True,
+                 check_protocol: bool = True):
         self.cfg = cfg
         self.axis_name = axis_name
         self.check_routing = check_routing
         # Bad routing seen at run time, recorded by a host callback (raising inside one would
         # abort XLA:CPU); check() raises the first, like the CUDA path's error record.
         self._errors: list[str] = []
+        # The order of each half's send and recv, counted per rank as the kernels count it
+        # (host_check.py); an op out of order is recorded and check() raises ProtocolError.
+        self.protocol = hc.ProtocolState() if check_protocol else None
+
+    def _tick(self, op: int, *deps):
+        """int32 zero from the host visit of `op` (after deps); the op adds it to a value its
+        results depend on, so what follows the op runs after the visit."""
+        if self.protocol is None:
+            return jnp.zeros((), jnp.int32)
+        return hc.tick(self.protocol, op, self.axis_name, *deps)
 
     def _record(self, bad_token, bad_index, num_tokens):
         cfg = self.cfg
@@ -68,11 +81,25 @@ class ReferenceBackend:
                 f"{cfg.max_num_tokens}] (rows per rank); it was clamped")
 
     def check(self):
-        """Raise the first error recorded since the last check(), then forget them all."""
+        """Raise a recorded protocol error (kept: the handle stays unusable, as a CUDA handle
+        that refused a launch), else the first bad routing recorded since the last check(),
+        then forget those."""
         jax.effects_barrier()
+        if self.protocol is not None and self.protocol.error:
+            raise ProtocolError(self.protocol.error)
         errors, self._errors = self._errors, []
         if errors:
             raise InvalidRoutingError(errors[0])
+
+    checks_after_close = True  # check() still reports a compiled step run after close()
+
+    def recover(self):
+        """As the CUDA handle's recover(): the protocol counts and every recorded error are
+        cleared, and the same compiled steps run on."""
+        jax.effects_barrier()
+        if self.protocol is not None:
+            self.protocol.reset()
+        self._errors = []
 
     # -- helpers ---------------------------------------------------------------------------
     def _a2a(self, x):
@@ -110,6 +137,9 @@ class ReferenceBackend:
     def dispatch_send(self, x, x_scale, indices, num_tokens, weights=None) -> PendingDispatch:
         cfg = self.cfg
         self._runtime_checks(indices, num_tokens)
+        # Everything this send computes depends on num_tokens, so on the visit; the visit
+        # comes after x and indices (after the previous layer).
+        num_tokens = num_tokens + self._tick(hc.DISPATCH_SEND, x, indices, num_tokens)
         num_tokens = jnp.clip(num_tokens, 0, cfg.max_num_tokens)
         to_rank = self._outgoing_slots(indices, num_tokens)
         local_ids = jnp.where(to_rank, (indices % cfg.num_local_experts)[None], -1)
@@ -128,6 +158,8 @@ class ReferenceBackend:
     def dispatch_recv(self, pending: PendingDispatch):
         cfg = self.cfg
         L, R = cfg.num_local_experts, cfg.max_recv_tokens
+        recv_ids = pending.recv_ids + self._tick(hc.DISPATCH_RECV, pending.recv_ids)
+        pending = pending._replace(recv_ids=recv_ids)
         ids = pending.recv_ids.reshape(-1)  # flat (src, t, j)
         onehot = ids[:, None] == jnp.arange(L)[None, :]
         running = jnp.cumsum(onehot.astype(jnp.int32), axis=0)
@@ -169,13 +201,14 @@ class ReferenceBackend:
     def combine_send(self, expert_y, routing: Routing) -> PendingCombine:
         # Weights arrive with combine_recv, and the reference weights rows on the expert's
         # rank, so the whole exchange happens there; the split is only functional here.
-        return PendingCombine(expert_y, routing)
+        return PendingCombine(expert_y, routing, self._tick(hc.COMBINE_SEND, expert_y))
 
     def combine_recv(self, pending: PendingCombine, indices, weights, num_tokens,
                      slot_rows=False):
         cfg = self.cfg
         num_tokens = jnp.clip(num_tokens, 0, cfg.max_num_tokens)
-        expert_y, (ids, pos) = pending
+        expert_y, (ids, pos), ticket = pending
+        ids = ids + self._tick(hc.COMBINE_RECV, ticket, expert_y, indices)
         # What this rank holds for each destination's tokens: the rows its DP group's
         # sender sent here ([EP(dest), max_m, k] local expert and row, -1 if none).
         ids, pos = self._from_senders(ids), self._from_senders(pos)
@@ -212,7 +245,8 @@ class ReferenceBackend:
         return jnp.where(live, y, 0.0).astype(jnp.bfloat16), got
 
     def close(self):
-        pass
+        if self.protocol is not None:
+            self.protocol.closed = True  # a compiled step run later is recorded, not run past
 
     @property
     def symmetric_bytes(self) -> int:
