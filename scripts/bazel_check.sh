@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The Bazel files' check (scripts/test.sh runs it; README "Layout"): buildifier must find them
-# formatted and lint-clean, then Debian's Bazel 4.2.3 builds the native module with nvcc and
-# runs //:cpu_tests against it, offline. Installs what it needs: bazel-bootstrap and
-# bazel-bootstrap-source with apt (as root), buildifier with npm into a cache folder.
+# The Bazel files' check (scripts/test.sh runs it; docs/multi-gpu.md "Bazel"): buildifier must
+# find them formatted and lint-clean, then Debian's Bazel 4.2.3 builds the native module with
+# nvcc and runs //:cpu_tests against it, offline. Installs what it needs: buildifier with npm
+# into a cache folder (no root), bazel-bootstrap and bazel-bootstrap-source with apt (root).
+#
+# Without root and without Bazel installed, the Bazel build is SKIPPED, saying so (buildifier
+# still runs): Debian's Bazel is the only one installable here (the registries have no Bazel 4+
+# that runs offline) and apt needs root. Under CI (CI=true) a skip is a failure.
 # Uses .venv/bin/python (made by scripts/setup.sh) for jax, nanobind and the NVSHMEM wheel.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,17 +15,30 @@ BUILDIFIER_VERSION=8.2.1
 MOCKS=/usr/src/bazel-bootstrap/mock_repos  # named in .bazelrc's config debian
 t0=$(date +%s)
 
-# Tools.
-if ! command -v bazel >/dev/null || [ ! -d "$MOCKS/rules_cc" ]; then
-  if [ "$(id -u)" != 0 ]; then
-    echo "bazel_check: needs Debian's bazel-bootstrap and bazel-bootstrap-source:" \
-         "apt-get install bazel-bootstrap bazel-bootstrap-source (as root)" >&2
+skip() {  # the reason: a plain SKIPPED line, or under CI a failure
+  if [ "${CI:-}" = true ]; then
+    echo "bazel_check: FAILED: $* (CI must run the Bazel check)" >&2
     exit 1
   fi
-  echo "bazel_check: installing bazel-bootstrap bazel-bootstrap-source with apt"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bazel-bootstrap bazel-bootstrap-source \
-    >/dev/null
+  echo "bazel_check: SKIPPED: $*"
+  exit 0
+}
+
+# Tools.
+have_bazel=yes
+if ! command -v bazel >/dev/null || [ ! -d "$MOCKS/rules_cc" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "bazel_check: installing bazel-bootstrap bazel-bootstrap-source with apt"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bazel-bootstrap \
+      bazel-bootstrap-source >/dev/null
+  else
+    have_bazel=no
+  fi
+fi
+if ! command -v npm >/dev/null; then
+  [ "$have_bazel" = yes ] || skip "neither Bazel nor npm (for buildifier) is installed"
+  skip "npm is not installed, so no buildifier (apt-get install npm, as root)"
 fi
 TOOLS="${XDG_CACHE_HOME:-$HOME/.cache}/jax_moe_comm/buildifier-$BUILDIFIER_VERSION"
 BUILDIFIER="$TOOLS/node_modules/.bin/buildifier"
@@ -40,6 +57,12 @@ echo "bazel_check: $("$BUILDIFIER" --version | head -1) -mode=check -lint=warn $
 "$BUILDIFIER" -mode=check -lint=warn "${files[@]}"
 
 # 2. Build and test (bazel/local_deps.bzl looks for the toolkit in the same places).
+if [ "$have_bazel" = no ]; then
+  skip "the Bazel build of the native module (buildifier passed): Bazel is not installed, and" \
+       "the only Bazel that builds it offline, Debian's bazel-bootstrap 4.2.3, needs root to" \
+       "install (apt-get install bazel-bootstrap bazel-bootstrap-source); then run" \
+       "bash scripts/bazel_check.sh"
+fi
 CUDA="${CUDA_PATH:-${CUDA_HOME:-/usr/local/cuda}}"
 if [ ! -x "$CUDA/bin/nvcc" ]; then
   if command -v nvcc >/dev/null; then

@@ -190,3 +190,30 @@ def test_the_wheel_installs_into_a_fresh_venv_and_its_module_loads(tmp_path):
     assert "nvshmem (3, 4, 5) (3, 4, 5)" in r.stdout, r.stdout
     assert f"lib {site}" in r.stdout, r.stdout  # the fresh venv's copy, not the build's
     assert "reason no usable CUDA device" in r.stdout, r.stdout  # loaded; no GPU here
+
+
+def test_the_build_key_changes_with_the_sources_and_not_with_caches(tmp_path, monkeypatch):
+    """scripts/setup.sh reuses the installed build while this key is unchanged."""
+    spec = importlib.util.spec_from_file_location(
+        "build_key", os.path.join(ROOT, "scripts", "build_key.py"))
+    bk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bk)
+    monkeypatch.setattr(bk, "nvcc_identity", lambda: "nvcc 13.0")
+    for rel in ("csrc/kernels/k.cu", "jax_moe_comm/api.py", "build_backend/jmc_build.py",
+                "CMakeLists.txt", "pyproject.toml", "README.md"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(rel)
+    key = bk.build_key(str(tmp_path))
+    (tmp_path / "jax_moe_comm" / "__pycache__").mkdir()
+    (tmp_path / "jax_moe_comm" / "__pycache__" / "api.cpython-311.pyc").write_text("x")
+    (tmp_path / "jax_moe_comm" / "_native.cpython-311-x86_64-linux-gnu.so").write_text("x")
+    (tmp_path / "README.md").write_text("not built from")
+    assert bk.build_key(str(tmp_path)) == key
+    (tmp_path / "csrc" / "kernels" / "k.cu").write_text("changed")
+    changed = bk.build_key(str(tmp_path))
+    assert changed != key
+    monkeypatch.setenv("JMC_CUDA_ARCHS", "90")
+    assert bk.build_key(str(tmp_path)) != changed
+    monkeypatch.delenv("JMC_CUDA_ARCHS")
+    monkeypatch.setattr(bk, "nvcc_identity", lambda: "nvcc 12.9")
+    assert bk.build_key(str(tmp_path)) != changed
