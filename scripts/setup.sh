@@ -50,12 +50,23 @@ fi
 
 key=$("$VPY" "$ROOT/scripts/build_key.py" "$ROOT")
 JMC_WHEEL=$(cat "$STATE/wheel" 2>/dev/null || true)
-installed=$("$VPY" -c "import importlib.metadata as m; print(m.version('jax_moe_comm'))" \
-  2>/dev/null || true)
+# Is the installed jax_moe_comm that very wheel? (pip records the hash of what it installed.)
+installed=$("$VPY" - "$JMC_WHEEL" <<'PYEOF'
+import hashlib, importlib.metadata as m, json, os, sys
+try:
+    info = json.loads(m.distribution("jax_moe_comm").read_text("direct_url.json") or "{}")
+except m.PackageNotFoundError:
+    info = {}
+want = info.get("archive_info", {}).get("hashes", {}).get("sha256")
+wheel = sys.argv[1]
+ok = want and os.path.isfile(wheel) and hashlib.sha256(open(wheel, "rb").read()).hexdigest() == want
+print("yes" if ok else "no")
+PYEOF
+)
 if [ -n "${JMC_REBUILD:-}" ]; then
   why="JMC_REBUILD is set"
-elif [ ! -f "$STATE/build" ] || [ -z "$JMC_WHEEL" ] || [ ! -f "$JMC_WHEEL" ] || [ -z "$installed" ]; then
-  why="no build installed in .venv yet"
+elif [ ! -f "$STATE/build" ] || [ "$installed" != yes ]; then
+  why="no build of this checkout is installed in .venv"
 elif [ "$(cat "$STATE/build")" != "$key" ]; then
   why="the sources or build settings changed since the installed build"
 else
