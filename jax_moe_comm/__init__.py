@@ -26,4 +26,4 @@ __all__ = [
     "CorruptDataError", "ReferenceFallbackWarning", "init", "finalize", "expert_gemm",
     "expert_mlp", "distributed",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -217,3 +217,15 @@ def test_the_build_key_changes_with_the_sources_and_not_with_caches(tmp_path, mo
     monkeypatch.delenv("JMC_CUDA_ARCHS")
     monkeypatch.setattr(bk, "nvcc_identity", lambda: "nvcc 12.9")
     assert bk.build_key(str(tmp_path)) != changed
+
+
+def test_one_version_everywhere():
+    import re
+
+    import jax_moe_comm
+
+    pyproject = open(os.path.join(ROOT, "pyproject.toml")).read()
+    version = re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1)
+    assert jax_moe_comm.__version__ == version
+    changelog = open(os.path.join(ROOT, "CHANGELOG.md")).read()
+    assert f"\n## {version} (" in changelog, f"CHANGELOG.md has no section for {version}"
