@@ -1,4 +1,11 @@
-"""jax_moe_comm: expert-parallel MoE dispatch/combine for JAX (NVSHMEM kernels + reference)."""
+"""jax_moe_comm: expert-parallel MoE dispatch/combine for JAX (NVSHMEM kernels + reference).
+
+The public surface is `__all__` below, plus the modules a user imports by name:
+`jax_moe_comm.moe` (the MoE layer), `jax_moe_comm.flax` (its Flax NNX module, extra `[flax]`),
+`jax_moe_comm.train` (a training step), `jax_moe_comm.native` (is the CUDA backend usable
+here, and why not) and `python -m jax_moe_comm.launch` / `python -m jax_moe_comm.demo`.
+`jax_moe_comm.testing` is the oracle and the rigs of the test suites, not library API.
+"""
 
 from . import distributed  # registers the launcher's variables with jax.distributed.initialize()
 from .api import (CHECKPOINT_NAME, AllToAll, DispatchOutput, PendingCombine, PendingDispatch,
@@ -17,6 +24,6 @@ __all__ = [
     "KernelTuning", "MoEConfig", "InvalidRoutingError", "MoECommError",
     "NativeUnavailableError", "PeerTimeoutError", "ProtocolError", "PeerAbortedError",
     "CorruptDataError", "ReferenceFallbackWarning", "init", "finalize", "expert_gemm",
-    "expert_mlp",
+    "expert_mlp", "distributed",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

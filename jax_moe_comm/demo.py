@@ -145,10 +145,10 @@ def _train(args, cfg, a2a, mesh, params, say, rank) -> int:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from . import train
+    from . import testing, train
 
     world = mesh.devices.size
-    opt = train.optimizer(args.lr)
+    opt = testing.optimizer(args.lr)  # optax.adam, or the same Adam where optax is missing
     grad_sum = args.grad_sum
     if grad_sum == "auto":
         grad_sum = "dispatch" if a2a.backend_name == "nvshmem" else "psum"
@@ -159,8 +159,9 @@ def _train(args, cfg, a2a, mesh, params, say, rank) -> int:
     else:
         like = {"grads": {k: np.zeros(v.shape, np.float32) for k, v in replicated.items()},
                 "sse": np.zeros(1, np.float32), "count": np.zeros(1, np.float32)}
-        summer = rank_sum = train.DispatchSum(like, world, axis_name="ep",
-                                              backend=a2a.backend_name)
+        # Several ranks on one GPU: no XLA all-reduce (NCCL refuses), so the test rig's sum.
+        summer = rank_sum = testing.DispatchSum(like, world, axis_name="ep",
+                                                backend=a2a.backend_name)
     say(f"training: {opt.name}, replicated gradients summed by {grad_sum}, target: a random "
         "linear map of the tokens")
     init, step = train.make_train_step(a2a, cfg, mesh, opt, params, rank_sum,

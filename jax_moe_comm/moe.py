@@ -81,7 +81,7 @@ def mlp(x, w_in, w_out):
 
 def experts_forward(a2a: AllToAll, params, out, expert_gemm: str = "auto"):
     """This rank's experts on dispatch's output: expert_y in the handle's layout and combine
-    dtype. params["w_in"] [L, H, F], params["w_out"] [L, F, H] (this rank's slice).
+    dtype. `params["w_in"]` [L, H, F], `params["w_out"]` [L, F, H] (this rank's slice).
     expert_gemm: how the GEMMs run (expert_gemm.OPTIONS)."""
     ex = out.expert_x
     if out.expert_x_scale is not None:

@@ -8,28 +8,45 @@ import importlib
 REQUIRED_NVSHMEM = (3, 4, 5)
 
 # How to get the CUDA module, for every message that says it is missing.
-BUILD_HINT = ("Build it from a source checkout on a machine with nvcc (CUDA 13): "
-              "`pip install '.[cuda]'` (with nvcc present the build includes the CUDA module or "
-              "fails saying why; JMC_CUDA=ON makes a missing nvcc an error too), or run "
-              "`bash scripts/setup.sh`")
+BUILD_HINT = ("Build it from a source checkout on a machine with nvcc (CUDA 12 or 13): "
+              "`pip install '.[cuda13]'` or `'.[cuda12]'` (with nvcc present the build includes "
+              "the CUDA module or fails saying why; JMC_CUDA=ON makes a missing nvcc an error "
+              "too), or run `bash scripts/setup.sh`")
+
+try:  # written by CMake beside _native: the GPU architectures and CUDA it was compiled for
+    _native_build = importlib.import_module(f"{__package__}._native_build")
+except ImportError:
+    _native_build = None
+
+
+def nvshmem_requirement(cuda_version: str | None = None) -> str:
+    """The NVSHMEM wheel the CUDA module needs at run time, e.g. 'nvidia-nvshmem-cu13==3.4.5'
+    (cu12 for a module built by CUDA 12; what the wheel's metadata requires)."""
+    if cuda_version is None:
+        cuda_version = getattr(_native_build, "CUDA_VERSION", "") or "13"
+    major = cuda_version.split(".")[0]
+    return f"nvidia-nvshmem-cu{major}=={'.'.join(map(str, REQUIRED_NVSHMEM))}"
+
+
+def import_failure(error: ImportError) -> str:
+    """Why the CUDA module did not import, and the command that fixes it."""
+    if isinstance(error, ModuleNotFoundError) and error.name == f"{__package__}._native":
+        return ("jax_moe_comm was installed without its CUDA module (no nvcc when it was "
+                f"built, or JMC_CUDA=OFF). {BUILD_HINT}.")
+    if "libnvshmem_host" in str(error):
+        return (f"jax_moe_comm's CUDA module did not load: {error}. Its NVSHMEM runtime is "
+                f"missing: `pip install {nvshmem_requirement()}` (the wheel requires it; an "
+                "install with --no-deps skips it).")
+    return (f"jax_moe_comm's CUDA module did not load: {error} (its NVSHMEM runtime comes with "
+            f"`pip install {nvshmem_requirement()}`). {BUILD_HINT}.")
+
 
 _import_error: str | None = None
 try:
     _native = importlib.import_module(f"{__package__}._native")
 except ImportError as e:  # not built (no CUDA toolkit at install time) or libs missing
     _native = None
-    if isinstance(e, ModuleNotFoundError) and e.name == f"{__package__}._native":
-        _import_error = ("jax_moe_comm was installed without its CUDA module (no nvcc when it "
-                         "was built, or JMC_CUDA=OFF)")
-    else:
-        _import_error = (f"jax_moe_comm's CUDA module did not load: {e} (the NVSHMEM host "
-                         "library comes with `pip install nvidia-nvshmem-cu13==3.4.5`, the "
-                         "[cuda] extra)")
-
-try:  # written by CMake beside _native: the GPU architectures it was compiled for
-    _native_build = importlib.import_module(f"{__package__}._native_build")
-except ImportError:
-    _native_build = None
+    _import_error = import_failure(e)
 
 
 def module():
@@ -46,7 +63,7 @@ def module():
 def unavailable_reason() -> str:
     """'' when the nvshmem backend can run here, else why not (and what to do)."""
     if _native is None:
-        return f"{_import_error}. {BUILD_HINT}."
+        return _import_error
     built = tuple(_native.built_nvshmem_version())
     loaded = tuple(_native.runtime_nvshmem_version())
     if built != loaded or loaded != REQUIRED_NVSHMEM:
@@ -54,7 +71,7 @@ def unavailable_reason() -> str:
         return (f"NVSHMEM mismatch: module built against {v(map(str, built))}, loaded "
                 f"libnvshmem_host {v(map(str, loaded))}; jax_moe_comm needs "
                 f"{v(map(str, REQUIRED_NVSHMEM))} for both (the device state layout changes "
-                "between versions). pip install nvidia-nvshmem-cu13==3.4.5 and rebuild.")
+                f"between versions). `pip install {nvshmem_requirement()}` and rebuild.")
     if _native.cuda_device_count() == 0:
         return f"no usable CUDA device: {_native.cuda_driver_error()}"
     return ""
@@ -88,7 +105,7 @@ def device_problem(device) -> str:
     built = ", ".join(f"sm_{a}" for a in sass)
     ptx_note = f" + PTX for compute_{ptx}, which later GPUs JIT-compile" if ptx else ""
     return (f"{kind} is sm_{sm}, but jax_moe_comm's CUDA module was built for {built}"
-            f"{ptx_note}. Rebuild it for this GPU: `pip install '.[cuda]' -C "
+            f"{ptx_note}. Rebuild it for this GPU: `pip install '.[cuda13]' -C "
             f"cmake.define.JMC_CUDA_ARCHS={sm}` (NVSHMEM needs sm_70 or newer), or pass "
             "backend='reference'.")
 

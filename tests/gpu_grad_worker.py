@@ -127,8 +127,8 @@ def main() -> int:
                 "sse": np.zeros(1, np.float32), "count": np.zeros(1, np.float32)}
         with AllToAll(cfg.comm_config(WORLD), backend=args.backend,
                       differentiable=True) as a2a:
-            summer = train.DispatchSum(like, WORLD, backend=args.backend)
-            opt = train.optimizer(1e-2)
+            summer = T.DispatchSum(like, WORLD, backend=args.backend)
+            opt = T.optimizer(1e-2)
             init, step = train.make_train_step(a2a, cfg, mesh, opt, params, summer,
                                                train.linear_target(cfg.hidden, 2))
             state = train.stacked_state(params, WORLD, mesh)

@@ -81,7 +81,7 @@ def test_auto_on_gpu_without_the_native_module_warns_how_to_build(monkeypatch):
     reason = native.unavailable_reason()
     _pretend_gpu(monkeypatch, reason)
     assert "installed without its CUDA module" in reason
-    with pytest.warns(ReferenceFallbackWarning, match=r"pip install '\.\[cuda\]'"):
+    with pytest.warns(ReferenceFallbackWarning, match=r"pip install '\.\[cuda13\]'"):
         assert jmc.resolve_backend("auto") == "reference"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
