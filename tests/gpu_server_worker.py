@@ -182,8 +182,10 @@ def main() -> int:
 
             def body(x, idx, w, nt):
                 out = a2a.dispatch(x, idx, nt.reshape(()))
-                forged = out.routing._replace(
-                    expert_num_tokens=jnp.full_like(out.routing.expert_num_tokens, R))
+                counts = jnp.full_like(out.routing.expert_num_tokens, R)
+                forged = out.routing._replace(  # the kernels read the backend's record
+                    backend=out.routing.backend._replace(expert_num_tokens=counts),
+                    expert_num_tokens=counts)
                 ey = out.expert_x.astype(cfg.combine_dtype)
                 return a2a.combine(ey, forged, idx, w, nt.reshape(()))
 

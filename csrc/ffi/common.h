@@ -45,9 +45,12 @@ inline xla::ffi::Error protocol_error(Op op, int64_t id, const std::string& why)
                              std::to_string(id) + ": " + why);
 }
 
-// Looks up `id`, refuses it if closed or if the kernels recorded an error (read from pinned
-// memory, no sync: the kernels of a poisoned handle do nothing, so refusing at any stage is
-// safe). `op` names the caller in messages.
+// Looks up `id` and refuses it if closed (or its creation failed). A handle whose kernels
+// recorded an error is NOT refused here: its kernels refuse on the device (they do nothing and
+// write NaN rows of y; check() and poll() report), and a handler error while XLA records a
+// command buffer breaks that executable's recording for good ("Command executor can be
+// recorded into the command buffer at most once", seen on the H200 with jax 0.11.2), so the
+// same compiled step could not run again after recover(). `op` names the caller in messages.
 inline xla::ffi::Error begin(int64_t id, Op op, Call* call) {
   call->handle = find_handle(id);
   if (call->handle == nullptr)
@@ -61,11 +64,6 @@ inline xla::ffi::Error begin(int64_t id, Op op, Call* call) {
   if (h.closed) return protocol_error(op, id, "the handle is closed");
   if (!h.create_error.empty())
     return protocol_error(op, id, "its creation failed: " + h.create_error);
-  const std::string recorded = describe_error(*h.error_host, h.rank);
-  if (!recorded.empty())
-    return xla::ffi::Error(xla::ffi::ErrorCode::kAborted,
-                           recorded + " (handle " + std::to_string(id) +
-                               " is unusable: recover() it on every rank, or close it)");
   return xla::ffi::Error::Success();
 }
 
