@@ -124,6 +124,20 @@ def test_metadata_prepared_before_the_build_predicts_the_nvshmem_requirement(mon
     assert b.cuda_build_requires({"cmake.define.JMC_CUDA": "OFF"}) == []
 
 
+def test_prepared_metadata_requires_nvshmem_exactly_when_the_module_is_built(tmp_path,
+                                                                          monkeypatch):
+    """pip resolves from prepare_metadata_for_build_wheel before building: `pip install .`
+    with nvcc must already ask for NVSHMEM there."""
+    b = _backend()
+    meta = tmp_path / "METADATA"
+    monkeypatch.setattr(b, "nvcc_major", lambda nvcc: 13)
+    for cuda, expected in ((True, ["numpy", "nvidia-nvshmem-cu13==3.4.5"]), (False, ["numpy"])):
+        meta.write_text("Metadata-Version: 2.2\nName: jax_moe_comm\nRequires-Dist: numpy\n\nText\n")
+        monkeypatch.setattr(b, "builds_cuda", lambda settings, cuda=cuda: cuda)
+        b._predict_nvshmem(str(meta), None)
+        assert _requires(meta.read_text()) == expected
+
+
 def _wheel_or_skip():
     if not WHEEL:
         if REQUIRE:
