@@ -112,6 +112,9 @@ py_runtime(
     name = "python3_runtime",
     interpreter_path = "{python}",
     python_version = "PY3",
+    # The test stub runs under this interpreter too, not under `python` on PATH (Debian has
+    # only python3 there, so a user without pyenv got "/usr/bin/env: 'python': No such file").
+    stub_shebang = "#!{python}",
 )
 
 py_runtime_pair(
