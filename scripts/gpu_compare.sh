@@ -26,9 +26,8 @@ if [ -n "${PEER:-}" ]; then
 fi
 if [ -n "${OLD_SRC:-}" ]; then
   echo "== ours at ${OLD_COMMIT:-old}"
-  (cd "$ROOT/$OLD_SRC" && $PY -m pip install --no-build-isolation --no-deps -q --target /tmp/oldsite \
-     -C cmake.define.JMC_CUDA=ON -C cmake.define.JMC_CUDA_ARCHS=90 -C build-dir=/tmp/jmc_old . \
-     > "$OUT/old_build.log" 2>&1) || { tail -20 "$OUT/old_build.log"; exit 1; }
+  SRC="$ROOT/$OLD_SRC" TARGET=/tmp/oldsite BUILD_DIR=/tmp/jmc_old LOG="$OUT/old_build.log" \
+    bash "$ROOT/scripts/gpu_build.sh" || exit 1
   PYTHONPATH=/tmp/oldsite GIT_COMMIT=${OLD_COMMIT:-old} timeout 300 $PY -m jax_moe_comm.launch \
     -n 8 --oversubscribe --timeout 290 -- $PY "$ROOT/$OLD_SRC/benchmarks/bench_all_to_all.py" \
     --out "$OUT/old" --tokens "$TOKENS" --samples "$SAMPLES" --warmup 10 --matmul 0 \

@@ -25,9 +25,8 @@ timeout 450 $PY -m jax_moe_comm.launch -n 8 --oversubscribe --timeout 440 -- \
   ${LOOP_ARGS:-} 2>&1 | quiet | tee "$W/ours.log" | grep "rank 0\]"
 if [ -n "${OLD_SRC:-}" ]; then
   echo "== ours at ${OLD_COMMIT:-old}"
-  (cd "$ROOT/$OLD_SRC" && $PY -m pip install --no-build-isolation --no-deps -q --target /tmp/oldsite \
-     -C cmake.define.JMC_CUDA=ON -C cmake.define.JMC_CUDA_ARCHS=90 -C build-dir=/tmp/jmc_old . \
-     > "$W/old_build.log" 2>&1) || { tail -20 "$W/old_build.log"; exit 1; }
+  SRC="$ROOT/$OLD_SRC" TARGET=/tmp/oldsite BUILD_DIR=/tmp/jmc_old LOG="$W/old_build.log" \
+    bash "$ROOT/scripts/gpu_build.sh" || exit 1
   PYTHONPATH=/tmp/oldsite GIT_COMMIT=${OLD_COMMIT:-old} timeout 450 $PY -m jax_moe_comm.launch \
     -n 8 --oversubscribe --timeout 440 -- $PY "$ROOT/$OLD_SRC/benchmarks/bench_loop.py" \
     --out "$W/loop_old.json" --tokens "$TOKENS" --ks "$KS" --calls 0 --timeline 0 \
