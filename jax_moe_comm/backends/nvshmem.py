@@ -54,7 +54,7 @@ def raise_recorded(message: str) -> None:
 # leave the others waiting there, so they are agreed first, with the differing rank named.
 PROTOCOL_ENV = ("JMC_FUSED", "JMC_PDL", "JMC_NUM_BLOCKS")
 
-# Tests only (tests/gpu_harness.py sets it around a creation): handles start as if this many
+# Tests only (tests/gpu_server_worker.py sets it around a creation): handles start as if this many
 # cycles had completed, to run cycles across the epoch values a server reaches after months.
 _start_epoch = 0
 
@@ -231,19 +231,22 @@ class NvshmemBackend:
         """Waits for the device; raises this rank's recorded error, else a peer's abort. The
         record is kept until recover(): every later check() raises it again. On a closed
         handle: the error a launch replayed after close() recorded (no wait)."""
-        if not self._open:
-            raise_recorded(self._mod.closed_handle_error(self.handle))
-            return
-        raise_recorded(self._mod.check_handle(self.handle))
+        raise_recorded(self._recorded(wait=True))
 
     def poll(self):
         """check() without waiting for the device: raises what this rank's kernels recorded so
         far (a peer's failure is recorded here too once one of our kernels has seen its abort
         word). Reads pinned host memory: cheap enough for every step of a server."""
+        raise_recorded(self._recorded(wait=False))
+
+    def _recorded(self, wait: bool) -> str:
+        """The error to report ("" if none): a closed handle's stale launch, else this rank's
+        record (after waiting for the device, with a peer's abort word as a fallback)."""
         if not self._open:
-            raise_recorded(self._mod.closed_handle_error(self.handle))
-            return
-        raise_recorded(self._mod.handle_error(self.handle))
+            return self._mod.closed_handle_error(self.handle)
+        if wait:
+            return self._mod.check_handle(self.handle)
+        return self._mod.handle_error(self.handle)
 
     def recover(self):
         """Collective: waits for this rank's kernels, then on every rank clears the handle's
