@@ -409,6 +409,36 @@ std::string out_of_order_reason(uint32_t phase) {
   }
 }
 
+// Where the rank a wait timed out on stood (ErrorRecord's peer view), as a sentence; "" if the
+// record has none. Cycles count from 1 per half; a rank's latest start is its started mark
+// with the highest (cycle, kernel order).
+std::string peer_state(const ErrorRecord& rec) {
+  if (rec.needed_kernel == 0 || rec.needed_kernel > kNumKernels) return "";
+  const int needed = static_cast<int>(rec.needed_kernel) - 1;
+  const uint64_t cycle = rec.needed_cycle;
+  const std::string peer = "rank " + std::to_string(rec.peer);
+  const std::string kernel = phase_name(needed + 1);  // phases number the kernels from 1
+  int latest = 0;
+  for (int k = 1; k < kNumKernels; ++k)
+    if (rec.peer_started[k] >= rec.peer_started[latest]) latest = k;
+  const std::string latest_start =
+      rec.peer_started[latest] == 0
+          ? "it started no kernel on this handle since its creation or recover()"
+          : std::string("its latest start: ") + phase_name(latest + 1) + " of cycle " +
+                std::to_string(rec.peer_started[latest]);
+  if (rec.peer_started[needed] >= cycle)
+    return ". " + peer + " had started its " + kernel + " of cycle " + std::to_string(cycle) +
+           " and not delivered: it stalled inside it (waiting on another rank, or its GPU or "
+           "process hangs)";
+  if (rec.peer_started[latest] >= cycle)
+    return ". " + peer + " is mid-cycle: it has not started its " + kernel + " of cycle " +
+           std::to_string(cycle) + " (" + latest_start +
+           "): it is held up between ops (host work or a host pause between them)";
+  return ". " + peer + " has not started cycle " + std::to_string(cycle) + " (" + latest_start +
+         "): it is late (a host pause, a checkpoint save, a compile longer than timeout_s) or "
+         "gone";
+}
+
 }  // namespace
 
 std::string describe_error(const ErrorRecord& rec, int rank) {
@@ -423,7 +453,7 @@ std::string describe_error(const ErrorRecord& rec, int rank) {
              (rec.peer >= 0 ? peer + " (" + what_name(rec.what) + ")"
                             : "the expert rows of token " + std::to_string(rec.token)) +
              ", expected >= " + std::to_string(rec.expected) + ", saw " +
-             std::to_string(rec.seen) + " when the timeout passed";
+             std::to_string(rec.seen) + " when the timeout passed" + peer_state(rec);
     case kBadExpertIndex:
       return "InvalidRouting: " + where + "token " + std::to_string(rec.token) +
              " has expert index " + std::to_string(static_cast<int64_t>(rec.seen)) +

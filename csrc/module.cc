@@ -131,6 +131,22 @@ NB_MODULE(_native, m) {
     return jmc::describe_error(*h->error_host, h->rank);
   });
   // Synchronizes, then the recorded error, else the abort word a peer set ("" if neither).
+  // Tests only: the message of a made-up timeout record (host code, no GPU needed).
+  m.def("_describe_timeout", [](int rank, int phase, int peer, uint64_t expected, uint32_t what,
+                                uint32_t needed_kernel, uint64_t needed_cycle,
+                                std::vector<uint64_t> started) {
+    jmc::ErrorRecord rec{};
+    rec.code = jmc::kPeerTimeout;
+    rec.phase = static_cast<uint32_t>(phase);
+    rec.peer = peer;
+    rec.token = -1;
+    rec.expected = expected;
+    rec.what = what;
+    rec.needed_kernel = needed_kernel;
+    rec.needed_cycle = needed_cycle;
+    for (size_t i = 0; i < 4 && i < started.size(); ++i) rec.peer_started[i] = started[i];
+    return jmc::describe_error(rec, rank);
+  });
   m.def("check_handle", [](int64_t id) {
     auto h = handle(id);
     sync_device();

@@ -18,7 +18,7 @@ import sys
 import time
 
 import jax_moe_comm.distributed as dist
-from gpu_harness import Suite, run_cycle, small_configs
+from gpu_harness import Suite, kv_allgather, run_cycle, small_configs
 
 RANK, WORLD = dist.initialize()
 
@@ -110,12 +110,25 @@ def main() -> int:
             a2a.check()
             return f"raised {raised}; after recover() 3 checked cycles on the same step"
 
+    def timeouts_say(tag: str, err: Exception | None, phrase: str) -> str:
+        """Every rank's error; at least one rank timed out, and every timeout names where the
+        late rank stood with `phrase`. Returns this rank's first line."""
+        mine = str(err).splitlines()[0] if err is not None else ""
+        everyone = [bytes(v).decode() for v in
+                    kv_allgather(tag, np.frombuffer(mine.encode() or b" ", np.uint8))]
+        timeouts = [m for m in everyone if m.startswith("PeerTimeout")]
+        assert timeouts, f"no rank timed out: {everyone}"
+        wrong = [m for m in timeouts if phrase not in m]
+        assert not wrong, f"a timeout without '{phrase}': {wrong[0]}"
+        return mine
+
     if WORLD >= 2:
         @suite.case(f"EP{WORLD}-late-rank-then-recover")
         def late_rank():
             # The last rank starts its cycle 3 s late (a checkpoint save, a compile) with a 1 s
-            # timeout: the others time out. recover() on every rank, and the same compiled step
-            # runs on.
+            # timeout: the others time out, and their records say it had not started the cycle
+            # (its started marks, read when the wait gave up). recover() on every rank, and the
+            # same compiled step runs on.
             with AllToAll(tiny, backend="nvshmem", timeout_s=1.0) as a2a:
                 step = T.make_step(a2a, mesh)
                 args = T.global_inputs(tiny, mesh, T.make_inputs(tiny, 21))
@@ -123,16 +136,51 @@ def main() -> int:
                 if RANK == WORLD - 1:
                     time.sleep(3.0)
                 run_cycle(step, args, RANK)
+                err = None
                 try:
                     a2a.check()
-                    err = None
                 except (PeerTimeoutError, PeerAbortedError) as e:
-                    err = type(e).__name__
+                    err = e
+                said = timeouts_say("late", err, f"rank {WORLD - 1} has not started cycle")
                 a2a.recover()
                 for i in range(3):
                     T.run_and_check(a2a, mesh, T.make_inputs(tiny, 200 + i), step=step)
                 a2a.check()
-                return f"rank {RANK} saw {err}; recovered"
+                return f"rank {RANK}: {said[:150]}; recovered"
+
+        @suite.case(f"EP{WORLD}-rank-held-between-dispatch-and-combine")
+        def held_mid_cycle():
+            # The last rank's host holds it 3 s between its dispatch and its combine (a host
+            # callback in the step, as host work between ops would): the others' combine
+            # waits time out, and their records say it is mid-cycle, not that it never came.
+            with AllToAll(tiny, backend="nvshmem", timeout_s=1.0) as a2a:
+                spec = jax.sharding.PartitionSpec("ep")
+
+                def hold(v):
+                    if RANK == WORLD - 1:
+                        time.sleep(3.0)
+                    return v
+
+                def body(x, idx, w, nt):
+                    out = a2a.dispatch(x, idx, nt.reshape(()))
+                    ey = out.expert_x.astype(tiny.combine_dtype)
+                    ey = jax.pure_callback(hold, jax.ShapeDtypeStruct(ey.shape, ey.dtype), ey)
+                    return a2a.combine(ey, out.routing, idx, w, nt.reshape(()))
+
+                fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4,
+                                           out_specs=spec))
+                x, _, idx, w, nt = T.global_inputs(tiny, mesh, T.make_inputs(tiny, 22))
+                run_cycle(fn, (x, idx, w, nt), RANK)
+                err = None
+                try:
+                    a2a.check()
+                except (PeerTimeoutError, PeerAbortedError) as e:
+                    err = e
+                said = timeouts_say("held", err, f"rank {WORLD - 1} is mid-cycle")
+                a2a.recover()
+                T.run_and_check(a2a, mesh, T.make_inputs(tiny, 23))
+                a2a.check()
+                return f"rank {RANK}: {said[:160]}; recovered"
 
     @suite.case(f"EP{WORLD}-stale-step-after-close")
     def stale():

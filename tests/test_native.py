@@ -34,3 +34,29 @@ def test_cuda_path_reports_why_not_here():
 
     with pytest.raises(NativeUnavailableError):
         native.module()
+
+
+def test_timeout_names_where_the_late_rank_stands():
+    """A PeerTimeout record carries the waited-for rank's started marks (read when the wait gave
+    up): the message tells a rank that has not started the cycle from one that is between ops
+    and from one that started the kernel the wait needed and stalled inside it."""
+    if not native.built():
+        pytest.skip(f"built without a CUDA toolkit: {native._import_error}")
+    describe = native._native._describe_timeout
+    recv_phase, count_what, send_kernel = 2, 2, 1  # dispatch_recv waits for a dispatch_send
+    # Rank 3 still in cycle 6 (combine_recv) while rank 0 waits for its cycle-7 count.
+    late = describe(0, recv_phase, 3, 7 * 9, count_what, send_kernel, 7, [6, 6, 6, 6])
+    assert late.startswith("PeerTimeout: rank 0 in dispatch_recv")
+    assert "rank 3 has not started cycle 7" in late and "combine_recv of cycle 6" in late
+    # Its dispatch of cycle 7 ran; rank 0's combine_recv waits for its combine_send's rows.
+    between = describe(0, 4, 3, 7, 4, 3, 7, [7, 7, 6, 6])
+    assert "rank 3 is mid-cycle: it has not started its combine_send of cycle 7" in between
+    assert "dispatch_recv of cycle 7" in between
+    # It started the kernel whose count we wait for, and the count never came.
+    stalled = describe(0, recv_phase, 3, 7 * 9, count_what, send_kernel, 7, [7, 6, 6, 6])
+    assert "rank 3 had started its dispatch_send of cycle 7" in stalled
+    assert "stalled inside it" in stalled
+    fresh = describe(1, recv_phase, 0, 9, count_what, send_kernel, 1, [0, 0, 0, 0])
+    assert "started no kernel on this handle since its creation or recover()" in fresh
+    # The barrier's waits carry no view: the message is the bare timeout.
+    assert "cycle" not in describe(0, 5, 1, 3, 0, 0, 0, [0, 0, 0, 0]).split("timeout passed")[1]

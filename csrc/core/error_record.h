@@ -48,6 +48,21 @@ struct ErrorRecord {
   uint64_t seen;      // last value read / bad value
   uint32_t what;
   uint32_t claimed;   // first-wins ticket, so the fields are whole before `code` is set
+  // A timeout's view of the rank it waited for (kPeerTimeout with peer >= 0; else zero): which
+  // of that rank's kernels the wait needed (KernelId + 1, 0: none) and of which cycle, and the
+  // cycle of that rank's latest start of each kernel, read from its symmetric buffer when the
+  // wait gave up. Tells "has not started the cycle" from "started, stalled inside".
+  uint32_t needed_kernel;
+  uint32_t reserved;
+  uint64_t needed_cycle;
+  uint64_t peer_started[4];
+};
+
+// What a timed-out wait saw of the rank it waited for (the last fields of ErrorRecord).
+struct PeerView {
+  uint32_t needed_kernel;  // KernelId + 1
+  uint64_t needed_cycle;
+  uint64_t started[4];
 };
 
 // The abort word a failing rank SETs on every peer: (error code << 32) | (rank + 1).
@@ -65,8 +80,14 @@ __host__ __device__ inline uint32_t abort_code(uint64_t word) {
 // Returns true in the one thread whose error was recorded (the first on this rank).
 __device__ __forceinline__ bool record_error(ErrorRecord* rec, ErrorCode code, Phase phase,
                                              int peer, int token, uint64_t expected,
-                                             uint64_t seen, What what) {
+                                             uint64_t seen, What what,
+                                             const PeerView* view = nullptr) {
   if (atomicCAS(&rec->claimed, 0u, 1u) != 0u) return false;
+  if (view != nullptr) {
+    rec->needed_kernel = view->needed_kernel;
+    rec->needed_cycle = view->needed_cycle;
+    for (int i = 0; i < 4; ++i) rec->peer_started[i] = view->started[i];
+  }
   rec->phase = phase;
   rec->peer = peer;
   rec->token = token;

@@ -5,6 +5,8 @@
 // (1, 2, ...), so a late write of cycle i can never satisfy a wait of cycle i + 1.
 //
 //   abort_word      [1]            u64  a failing rank SETs abort_value(code, rank) here, everywhere
+//   started         [4]            u64  the cycle of this rank's latest start of each kernel
+//                                       (KernelId order); read by a peer whose wait timed out
 //   dispatch_count  [G]            u64  sender of group g SETs count_word(epoch, records)
 //   dispatch_flag   [G][max_m]     u64  record slot (g, i) SET to epoch after its bytes
 //   dispatch_ack    [world]        u64  receiver r SETs epoch once it has read our records
@@ -71,8 +73,12 @@ struct RecordLayout {
 
 // Pointers into one rank's symmetric buffer. The same offsets hold on every rank, so a
 // local pointer from here is also the remote address to hand to nvshmem (or nvshmem_ptr).
+// Kernels (KernelId, kernels/kernels.h) whose latest start each rank marks in `started`.
+constexpr int kStartedKernels = 4;
+
 struct SymmetricLayout {
   uint64_t* abort_word;
+  uint64_t* started;  // [kStartedKernels]
   uint64_t* dispatch_count;
   uint64_t* dispatch_flag;
   uint64_t* dispatch_ack;
@@ -108,6 +114,7 @@ struct SymmetricLayout {
     auto take_u64 = [&](size_t n) { return reinterpret_cast<uint64_t*>(take(8 * n)); };
     const size_t G = l.num_groups, m = l.max_m, k = l.k, W = s.world_size;
     l.abort_word = take_u64(1);
+    l.started = take_u64(kStartedKernels);
     l.dispatch_count = take_u64(G);
     l.dispatch_flag = take_u64(G * m);
     l.dispatch_ack = take_u64(W);

@@ -30,6 +30,12 @@ __device__ __forceinline__ void st_release_sys_u64(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// cuda::atomic_ref<uint64_t, thread_scope_system>(*p).store(v, memory_order_relaxed)
+// A word peers may read but nothing waits on (a kernel's start mark): no fence.
+__device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 // Nanoseconds of the GPU's global timer (coarse, but shared by all SMs).
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;

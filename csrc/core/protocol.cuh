@@ -56,8 +56,8 @@ __device__ __forceinline__ void put_then_flag_warp(const CommonParams& c, void* 
 // abort word, so their waits fail fast instead of each running into its own timeout.
 __device__ __forceinline__ void fail(const CommonParams& c, ErrorCode code, Phase phase,
                                      int peer, int token, uint64_t expected, uint64_t seen,
-                                     What what) {
-  if (!record_error(c.error, code, phase, peer, token, expected, seen, what)) return;
+                                     What what, const PeerView* view = nullptr) {
+  if (!record_error(c.error, code, phase, peer, token, expected, seen, what, view)) return;
   if (code == kPeerAborted) return;  // the peer that failed first told everyone already
   if (code == kStaleLaunch) return;  // a closed handle: its symmetric buffer may be another's
   const uint64_t word = abort_value(code, c.rank);
@@ -140,7 +140,11 @@ __device__ __forceinline__ bool refused_at_start(const CommonParams& c, KernelId
            kWhatNone);
     return true;
   }
-  if (l.in_order) return false;
+  if (l.in_order) {
+    // A mark for peers whose waits on us time out (peer_view): no fence, nothing waits on it.
+    if (reporter) st_relaxed_sys_u64(&c.sym.started[kernel], *epoch);
+    return false;
+  }
   if (reporter) fail(c, kOutOfOrder, phase, -1, -1, l.sent, l.received, kWhatNone);
   return true;
 }
@@ -181,13 +185,46 @@ __device__ __forceinline__ Wait wait_ge(const CommonParams& c, const uint64_t* f
   return Wait::kArrived;
 }
 
+// What a wait of `phase` that timed out on `peer` needed from it (which kernel, which cycle),
+// and where that peer's kernels had started (its `started` marks, `remote` where it is
+// load/store reachable, else a get), for the error record. Only on the timeout path, and not
+// inlined, with scalar arguments: inlined (or handed CommonParams, which the call then copies
+// to the stack), the remote reads took registers from the hot loops (dispatch_recv spilled
+// 112 bytes instead of 48).
+inline __device__ __noinline__ void read_peer_view(const uint64_t* remote, uint64_t* started,
+                                                   int peer, uint32_t phase, uint64_t expected,
+                                                   uint32_t what, uint64_t max_m, PeerView* v) {
+  switch (phase) {  // an ack comes from the peer's recv, a count, record or row from its send
+    case kPhaseDispatchSend: v->needed_kernel = kDispatchRecvKernel + 1; break;
+    case kPhaseDispatchRecv: v->needed_kernel = kDispatchSendKernel + 1; break;
+    case kPhaseCombineSend: v->needed_kernel = kCombineRecvKernel + 1; break;
+    case kPhaseCombineRecv: v->needed_kernel = kCombineSendKernel + 1; break;
+    default: return;  // the barrier: no started marks
+  }
+  // A count word is count_word(cycle, 0); every other wait is for the cycle itself.
+  v->needed_cycle = what == kWhatCount ? expected / (max_m + 1) : expected;
+  for (int i = 0; i < kStartedKernels; ++i)
+    v->started[i] = remote ? ld_relaxed_sys_u64(remote + i) : nvshmem_uint64_g(started + i, peer);
+}
+
+// The record of a wait that timed out, with the peer's view when the peer is a rank.
+__device__ __forceinline__ void fail_timed_out(const CommonParams& c, Phase phase, int peer,
+                                               int token, uint64_t expected, uint64_t seen,
+                                               What what) {
+  PeerView view{};
+  if (peer >= 0 && peer < c.shape.world_size)
+    read_peer_view(peer_ptr(c, c.sym.started, peer), c.sym.started, peer, phase, expected,
+                   what, static_cast<uint64_t>(c.shape.max_num_tokens), &view);
+  fail(c, kPeerTimeout, phase, peer, token, expected, seen, what, &view);
+}
+
 // Turns a failed wait into the error record (and the abort broadcast); true if it arrived.
 __device__ __forceinline__ bool check_wait(const CommonParams& c, Wait w, Phase phase, int peer,
                                            int token, uint64_t expected, uint64_t seen,
                                            What what) {
   if (w == Wait::kArrived) return true;
   if (w == Wait::kTimedOut) {
-    fail(c, kPeerTimeout, phase, peer, token, expected, seen, what);
+    fail_timed_out(c, phase, peer, token, expected, seen, what);
   } else {
     const uint64_t word = ld_relaxed_sys_u64(c.sym.abort_word);
     fail(c, kPeerAborted, phase, abort_rank(word), -1, abort_code(word), 0, what);
