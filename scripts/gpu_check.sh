@@ -31,7 +31,7 @@ run() {  # name, timeout, command...
   local t0=$(date +%s)
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
-  grep -E "PASS|FAIL|SUITE|TEST|Error|error:|max_err|rank [0-9]+ (after|reported|exits)|rank 0\] (config|result|R1|V2)" \
+  grep -E "PASS|FAIL|SUITE|SOAK|TEST|ERROR SUMMARY|Error|error:|max_err|rank [0-9]+ (after|reported|exits)|rank 0\] (config|result|R1|V2)" \
     "$LOGS/$name.log" | grep -v "JAX detected proxy" | head -60
   echo "-- $name rc=$rc in $(( $(date +%s) - t0 )) s"
   [ $rc -eq 0 ] || { status=1; grep -v "grpc\|GRPC\|WatchTasks\|^\[rank [0-9]\] *$" "$LOGS/$name.log" | tail -25; }
@@ -69,9 +69,11 @@ if has grad_nocmdbuf; then  # gradients and 50 training steps with command buffe
   XLA_FLAGS=--xla_gpu_enable_command_buffer= run grad_n2_nocmdbuf 400 \
     $(launch 2 380) $PY "$ROOT/tests/gpu_grad_worker.py" --quick
 fi
-if has sanitizer; then  # out-of-bounds writes under compute-sanitizer (N=2, tiny shapes)
-  run sanitizer_n2 300 $(launch 2 280) compute-sanitizer --tool memcheck --print-limit 20 \
-    $PY "$ROOT/tests/gpu_worker.py" --quick --steps 2
+if has sanitizer; then  # out-of-bounds accesses and shared-memory races (N=2, tiny shapes)
+  for tool in memcheck racecheck; do
+    run "${tool}_n2" 300 $(launch 2 280) compute-sanitizer --tool $tool --print-limit 20 \
+      $PY "$ROOT/tests/gpu_worker.py" --quick --steps 2
+  done
 fi
 for w in "$ROOT"/tests/gpu_*_worker.py; do  # workers of other features (grad, layout, ...)
   name=$(basename "$w" .py)

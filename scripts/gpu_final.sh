@@ -2,8 +2,11 @@
 # The session's closing device call, most important first (a call that runs out of time keeps
 # what it wrote): build, the GPU suite, the server suite (issue 28), the protocol suite, the
 # Flax worker and the parity worker (issue 26), the DeepSeek-style decode example at 8 ranks,
-# then a per-cycle sanity run of the loop benchmark. Logs in $OUT (<= 8 files come back).
+# then a per-cycle sanity run of the loop benchmark (LOOP=tokens). Logs in $OUT (<= 8 files
+# come back). STEPS picks steps by name (the case list below: also the soak, the sanitizers and
+# the server suite with command buffers off).
 #   GIT_COMMIT=abc1234 bash scripts/gpu_final.sh
+#   GIT_COMMIT=abc1234 STEPS="server_n2 soak_n2 memcheck_n2" BUDGET=500 bash scripts/gpu_final.sh
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_logs}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
@@ -20,23 +23,34 @@ step() {  # name, limit, command...
   [ "$limit" -gt "$left" ] && limit=$left
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
-  { grep -E "PASS|FAIL|SUITE PASSED|SUITE FAILED|per token|latency|logits" "$LOGS/$name.log" \
+  { grep -E "PASS|FAIL|SUITE PASSED|SUITE FAILED|SOAK|per token|latency|logits|ERROR SUMMARY" "$LOGS/$name.log" \
       | grep -v "JAX detected proxy" | head -40
     echo "-- $name rc=$rc in $(( $(date +%s) - t0 )) s"; } | tee -a "$OUT/summary.txt"
-  tar czf "$OUT/final_logs.tgz" -C /tmp final_logs
-echo "== done in $(( $(date +%s) - START )) s"
+  tar czf "$OUT/final_logs.tgz" -C /tmp final_logs  # kept as it goes: a cut call keeps it
 }
 echo "== commit ${GIT_COMMIT:?set GIT_COMMIT}, $(date -u +%FT%TZ)"
 bash "$ROOT/scripts/gpu_build.sh" || exit 1
 cd /tmp
-step gpu_suite_n2 200 $(L 2 190) $PY "$ROOT/tests/gpu_worker.py" --quick --steps 20
-step server_n2 200 $(L 2 190) $PY "$ROOT/tests/gpu_server_worker.py"
-step server_n8 200 $(L 8 190) $PY "$ROOT/tests/gpu_server_worker.py"
-step gpu_suite_n8 200 $(L 8 190) $PY "$ROOT/tests/gpu_worker.py" --quick --steps 20
-step protocol_n4 200 $(L 4 190) $PY "$ROOT/tests/gpu_protocol_worker.py" --quick
-[ -f "$ROOT/tests/gpu_flax_worker.py" ] && step flax_n8 240 $(L 8 230) $PY "$ROOT/tests/gpu_flax_worker.py" ${FLAX_ARGS:-}
-[ -f "$ROOT/tests/gpu_parity_worker.py" ] && step parity_n2 200 $(L 2 190) $PY "$ROOT/tests/gpu_parity_worker.py"
-[ -f "$ROOT/examples/deepseek_decode.py" ] && step decode_n8 240 $(L 8 230) $PY "$ROOT/examples/deepseek_decode.py" ${DECODE_ARGS:-}
+# STEPS picks and orders the steps (default: the list below without the soak and sanitizers).
+STEPS=${STEPS:-suite_n2 server_n2 server_n8 suite_n8 protocol_n4 flax_n8 parity_n2 decode_n8}
+NOCB="env XLA_FLAGS=--xla_gpu_enable_command_buffer="
+SAN="compute-sanitizer --print-limit 20 --tool"
+for s in $STEPS; do case $s in
+  suite_n2) step $s 200 $(L 2 190) $PY "$ROOT/tests/gpu_worker.py" --quick --steps 20 ;;
+  suite_n8) step $s 200 $(L 8 190) $PY "$ROOT/tests/gpu_worker.py" --quick --steps 20 ;;
+  server_n2|server_n8) step $s 200 $(L ${s#server_n} 190) $PY "$ROOT/tests/gpu_server_worker.py" ;;
+  server_n2_nocmdbuf) step $s 200 $NOCB $(L 2 190) $PY "$ROOT/tests/gpu_server_worker.py" ;;
+  server_n8_nocmdbuf) step $s 200 $NOCB $(L 8 190) $PY "$ROOT/tests/gpu_server_worker.py" ;;
+  protocol_n4) step $s 200 $(L 4 190) $PY "$ROOT/tests/gpu_protocol_worker.py" --quick ;;
+  soak_n2) step $s 300 $(L 2 290) $PY "$ROOT/tests/gpu_soak_worker.py" ${SOAK_ARGS:-} ;;
+  soak_n8) step $s 300 $(L 8 290) $PY "$ROOT/tests/gpu_soak_worker.py" ${SOAK8_ARGS:---cycles 200000} ;;
+  memcheck_n2) step $s 240 $(L 2 230) $SAN memcheck $PY "$ROOT/tests/gpu_worker.py" --quick --steps 2 ;;
+  racecheck_n2) step $s 240 $(L 2 230) $SAN racecheck $PY "$ROOT/tests/gpu_worker.py" --quick --steps 2 ;;
+  flax_n8) step $s 240 $(L 8 230) $PY "$ROOT/tests/gpu_flax_worker.py" ${FLAX_ARGS:-} ;;
+  parity_n2) step $s 200 $(L 2 190) $PY "$ROOT/tests/gpu_parity_worker.py" ;;
+  decode_n8) step $s 240 $(L 8 230) $PY "$ROOT/examples/deepseek_decode.py" ${DECODE_ARGS:-} ;;
+  *) echo "-- unknown step $s" | tee -a "$OUT/summary.txt" ;;
+esac; done
 cd "$ROOT"
 if [ -n "${LOOP:-}" ] && [ $(( BUDGET - $(date +%s) + START )) -gt 60 ]; then
   TOKENS=${LOOP} bash scripts/gpu_loop.sh > "$LOGS/loop.log" 2>&1
