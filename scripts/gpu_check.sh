@@ -31,7 +31,7 @@ run() {  # name, timeout, command...
   local t0=$(date +%s)
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
-  grep -E "PASS|FAIL|SUITE|SOAK|TEST|ERROR SUMMARY|Error|error:|max_err|rank [0-9]+ (after|reported|exits)|rank 0\] (config|result|R1|V2)" \
+  grep -E "PASS|FAIL|SUITE|SOAK|TEST|ERROR SUMMARY|RACECHECK SUMMARY|Error|error:|max_err|rank [0-9]+ (after|reported|exits)|rank 0\] (config|result|R1|V2)" \
     "$LOGS/$name.log" | grep -v "JAX detected proxy" | head -60
   echo "-- $name rc=$rc in $(( $(date +%s) - t0 )) s"
   [ $rc -eq 0 ] || { status=1; grep -v "grpc\|GRPC\|WatchTasks\|^\[rank [0-9]\] *$" "$LOGS/$name.log" | tail -25; }

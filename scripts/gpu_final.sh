@@ -23,7 +23,7 @@ step() {  # name, limit, command...
   [ "$limit" -gt "$left" ] && limit=$left
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
-  { grep -E "PASS|FAIL|SUITE PASSED|SUITE FAILED|SOAK|per token|latency|logits|ERROR SUMMARY" "$LOGS/$name.log" \
+  { grep -E "PASS|FAIL|SUITE PASSED|SUITE FAILED|SOAK|per token|latency|logits|ERROR SUMMARY|RACECHECK SUMMARY" "$LOGS/$name.log" \
       | grep -v "JAX detected proxy" | head -40
     echo "-- $name rc=$rc in $(( $(date +%s) - t0 )) s"; } | tee -a "$OUT/summary.txt"
   tar czf "$OUT/final_logs.tgz" -C /tmp final_logs  # kept as it goes: a cut call keeps it

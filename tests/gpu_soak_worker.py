@@ -157,12 +157,14 @@ def main() -> int:
             jax.block_until_ready(step(per_rank_array(0), per_rank_array(args.per_call)))
             rate = args.per_call / (time.perf_counter() - t0)
             suite.log(f"warm-up: {rate:,.0f} cycles/s, so ~{cycles / rate:.0f} s for the soak")
+            # Every input of the soak exists before the first reading: the readings compare
+            # what the cycles themselves leave behind.
+            firsts = [per_rank_array(2**30 + c * args.per_call) for c in range(calls)]
+            bad = per_rank_array(0)
             sym0 = symmetric_bytes(split, fused)
             free0 = gpu_free()
             used0 = (jax.local_devices()[0].memory_stats() or {}).get("bytes_in_use", 0)
-            firsts = [per_rank_array(2**30 + c * args.per_call) for c in range(calls)]
             t0 = time.perf_counter()
-            bad = per_rank_array(0)
             for first in firsts:  # enqueued back to back: no host sync between calls
                 bad = step(bad, first)
             wrong = int(T.local_blocks(bad, 1)[RANK][0])  # the one read
