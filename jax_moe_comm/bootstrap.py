@@ -28,6 +28,11 @@ def _kv_client():
 def process_layout_problem(world_size: int | None = None) -> str:
     """'' when this job has the nvshmem backend's process layout (one GPU per process, one
     rank per process along the expert-parallel axis), else what is wrong and what to do."""
+    from . import distributed
+
+    problem = distributed.uninitialized_job_problem()  # a cluster manager's task, alone
+    if problem:
+        return problem
     local = len(jax.local_devices())
     if local != 1:
         return (f"the nvshmem backend runs one process per GPU (one NVSHMEM PE each), but this "

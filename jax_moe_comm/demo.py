@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     from . import distributed as dist
 
-    if not dist.launched():  # default: emulated CPU devices in one process
+    if not dist.managed():  # default: emulated CPU devices in one process
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         flag = f"--xla_force_host_platform_device_count={args.devices}"
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
