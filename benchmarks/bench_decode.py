@@ -30,7 +30,7 @@ import time
 
 import jax_moe_comm.distributed as dist
 
-LAUNCHED = dist.launched()
+LAUNCHED = dist.managed()  # our launcher or a cluster manager (srun, mpirun)
 if not LAUNCHED:  # a smoke run: 8 emulated CPU devices in one process
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +

@@ -8,7 +8,7 @@ def start(devices: int = 8) -> tuple[int, int]:
     """Call before importing jax. Returns (process index, process count)."""
     from jax_moe_comm import distributed as dist  # imports jax, but starts no backend
 
-    if not dist.launched():
+    if not dist.managed():  # neither our launcher nor srun / mpirun: emulated CPU devices
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         flag = f"--xla_force_host_platform_device_count={devices}"
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
