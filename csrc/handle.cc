@@ -201,7 +201,7 @@ std::string validate_shape(const Shape& s) {
 }
 
 std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns, bool staged,
-                          uint64_t start_epoch, int64_t* id_out) {
+                          int staged_node_size, uint64_t start_epoch, int64_t* id_out) {
   *id_out = 0;
   const std::string bad = validate_shape(shape);
   if (!bad.empty()) return bad;
@@ -214,6 +214,15 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
   const PdlMode pdl_mode = pdl_mode_from_env();
   if (pdl_mode == PdlMode::kInvalid)
     return std::string("JMC_PDL=") + std::getenv("JMC_PDL") + ": expected 0, 1 or unset";
+  if (staged_node_size > 0) {  // the same on every rank (agreed before): safe to return here
+    if (shape.world_size > kMaxPeerTable)
+      return "transport='staged' emulates nodes through the peer table: up to " +
+             std::to_string(kMaxPeerTable) + " ranks";
+    if (shape.world_size % staged_node_size)
+      return "world_size is not divisible by the staged transport's node_size";
+    if (staged_node_size < shape.world_size && !staged)
+      return "a staged transport needs the staging buffers (staged=true)";
+  }
   if (nvshmemx_init_status() < NVSHMEM_STATUS_IS_INITIALIZED)
     return "NVSHMEM is not initialized: call jax_moe_comm.init() first";
   if (nvshmem_n_pes() != shape.world_size)
@@ -245,8 +254,12 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
   if (h->symmetric != nullptr) {
     h->symmetric_bytes = bytes;
     h->sym = SymmetricLayout::carve(shape, staged, h->symmetric, &bytes);
-    for (int pe = 0; pe < std::min(shape.world_size, kMaxPeerTable); ++pe)
-      h->peers.base[pe] = static_cast<uint8_t*>(nvshmem_ptr(h->symmetric, pe));
+    for (int pe = 0; pe < std::min(shape.world_size, kMaxPeerTable); ++pe) {
+      const bool emulated_remote =
+          staged_node_size > 0 && pe / staged_node_size != h->rank / staged_node_size;
+      h->peers.base[pe] =
+          emulated_remote ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(h->symmetric, pe));
+    }
     if (error.empty()) error = reset_protocol_state(h.get(), start_epoch);
   }
   const cudaError_t err = cudaDeviceSynchronize();

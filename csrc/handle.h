@@ -72,8 +72,11 @@ struct DenseHandle {
 // start_epoch (tests): the handle starts as if `start_epoch` cycles had completed (every launch
 // count, and this rank's acknowledgements from every peer), to run cycles across epoch values
 // a server reaches after months (the same on every rank).
+// staged_node_size > 0 (KernelTuning.transport="staged"): peers outside this rank's block of
+// staged_node_size consecutive ranks get no load/store pointer in the peer table, so the
+// kernels send to them exactly as to a peer on another node (`staged` must then be true).
 std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns, bool staged,
-                          uint64_t start_epoch, int64_t* id_out);
+                          int staged_node_size, uint64_t start_epoch, int64_t* id_out);
 // Frees the symmetric buffer and marks the handle closed; its small local state (DeviceState,
 // timing rows, error record) is kept for the life of the process, so a launch replayed from a
 // command buffer recorded before close() reads valid memory, refuses and records kStaleLaunch

@@ -91,19 +91,19 @@ NB_MODULE(_native, m) {
       "create_handle",
       [](int num_experts, int k, int hidden, int max_m, int world, int dp, int in_bytes,
          int num_scales, int out_bytes, uint64_t timeout_ns, int num_blocks, int warps,
-         bool staged, uint64_t start_epoch) {
+         bool staged, int staged_node_size, uint64_t start_epoch) {
         jmc::Shape s{num_experts, k, hidden, max_m, world, dp, in_bytes, num_scales, out_bytes};
         int64_t id = 0;
         // (id, "") on success; (id, why) when this rank's part failed after the collective
         // step (the caller destroys it on every rank); (0, why) for a bad shape.
         std::string error = jmc::create_handle(s, jmc::Launch{num_blocks, warps}, timeout_ns,
-                                               staged, start_epoch, &id);
+                                               staged, staged_node_size, start_epoch, &id);
         return std::make_tuple(id, error);
       },
       nb::arg("num_experts"), nb::arg("k"), nb::arg("hidden"), nb::arg("max_m"),
       nb::arg("world"), nb::arg("dp"), nb::arg("in_bytes"), nb::arg("num_scales"),
       nb::arg("out_bytes"), nb::arg("timeout_ns"), nb::arg("num_blocks"), nb::arg("warps"),
-      nb::arg("staged"), nb::arg("start_epoch") = 0);
+      nb::arg("staged"), nb::arg("staged_node_size") = 0, nb::arg("start_epoch") = 0);
   m.def("destroy_handle", [](int64_t id) { raise_if(jmc::destroy_handle(id)); });
   // Collective: back to a clean cycle 1 after an error (handle.h).
   m.def("recover_handle", [](int64_t id) { raise_if(jmc::recover_handle(id)); });
@@ -124,6 +124,17 @@ NB_MODULE(_native, m) {
     return out;
   });
   // Whether the kernels start as programmatic dependent launches (core/launch.cuh).
+  // Messages each kernel sent to staged peers since creation or recover() (DeviceState).
+  m.def("staged_messages", [](int64_t id) {
+    auto h = handle(id);
+    sync_device();
+    jmc::DeviceState state{};
+    const cudaError_t err = cudaMemcpy(&state, h->scratch.state, sizeof(state),
+                                       cudaMemcpyDeviceToHost);
+    if (err != cudaSuccess)
+      throw std::runtime_error(std::string("cudaMemcpy(state): ") + cudaGetErrorString(err));
+    return std::vector<uint64_t>(state.staged_messages, state.staged_messages + jmc::kNumKernels);
+  });
   m.def("dependent_launch", [](int64_t id) { return handle(id)->dependent_launch; });
   // The first recorded kernel error ("" if none). Reads pinned memory: no device sync.
   m.def("handle_error", [](int64_t id) {

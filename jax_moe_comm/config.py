@@ -151,18 +151,38 @@ def _init_with_alias(self, *, dp_size: int | None = None, **kwargs):
 MoEConfig.__init__ = _init_with_alias
 
 
+TRANSPORTS = ("auto", "staged")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelTuning:
     """Launch shape of the CUDA kernels. DEFAULT: one full wave of this process's SM share."""
 
     num_blocks: int = 0  # 0: derive from the SM count the process sees
     warps_per_block: int = 16
+    # How tokens reach peers. "auto": load/store where NVSHMEM maps the peer's memory (one
+    # node), staged puts and signals through NVSHMEM's transport otherwise (another node).
+    # "staged": every peer outside this rank's emulated node of `node_size` consecutive ranks
+    # is sent to exactly as a peer on another node would be (staging buffers, puts, fences,
+    # signals), even where load/store would work: the multi-node path, run on one node.
+    # node_size=1: every other rank staged; world // 2: two emulated nodes. Agreed across
+    # ranks at creation; the environment's JMC_TRANSPORT (staged, staged:<node_size>) applies
+    # where this says "auto".
+    transport: str = "auto"
+    node_size: int = 1
 
     def __post_init__(self):
         if self.num_blocks < 0:
             raise ValueError(f"num_blocks={self.num_blocks} must be >= 0 (0 = auto)")
         if not 2 <= self.warps_per_block <= 16:  # the kernels' __launch_bounds__: 512 threads
             raise ValueError(f"warps_per_block={self.warps_per_block} must be in [2, 16]")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r}; expected one of {TRANSPORTS}")
+        if self.node_size < 1:
+            raise ValueError(f"node_size={self.node_size} must be >= 1")
+        if self.node_size > 1 and self.transport != "staged":
+            raise ValueError(f"node_size={self.node_size} emulates nodes for "
+                             "transport='staged' only; with 'auto' NVSHMEM decides per peer")
 
 
 KernelTuning.DEFAULT = KernelTuning()

@@ -35,17 +35,24 @@ cd /tmp
 STEPS=${STEPS:-suite_n2 server_n2 server_n8 suite_n8 protocol_n4 flax_n8 parity_n2 decode_n8}
 NOCB="env XLA_FLAGS=--xla_gpu_enable_command_buffer="
 SAN="compute-sanitizer --print-limit 20 --tool"
-for s in $STEPS; do case $s in
-  suite_n2) step $s 200 $(L 2 190) $PY "$ROOT/tests/gpu_worker.py" --quick --steps 20 ;;
-  suite_n8) step $s 200 $(L 8 190) $PY "$ROOT/tests/gpu_worker.py" --quick --steps 20 ;;
-  server_n2|server_n8) step $s 200 $(L ${s#server_n} 190) $PY "$ROOT/tests/gpu_server_worker.py" ;;
+# A step name may end in @<JMC_TRANSPORT>: suite_n8@staged, protocol_n4@staged:2 (issue 25).
+for s in $STEPS; do
+  T=""; [[ $s == *@* ]] && T="env JMC_TRANSPORT=${s#*@}"
+  case ${s%@*} in
+  suite_n2) step $s 200 $T $(L 2 190) $PY "$ROOT/tests/gpu_worker.py" --quick --steps 20 ;;
+  suite_n4) step $s 200 $T $(L 4 190) $PY "$ROOT/tests/gpu_worker.py" --quick --steps 20 ;;
+  suite_n8) step $s 200 $T $(L 8 190) $PY "$ROOT/tests/gpu_worker.py" --quick --steps 20 ;;
+  server_n2|server_n8) step $s 200 $T $(L ${s:8:1} 190) $PY "$ROOT/tests/gpu_server_worker.py" ;;
   server_n2_nocmdbuf) step $s 200 $NOCB $(L 2 190) $PY "$ROOT/tests/gpu_server_worker.py" ;;
   server_n8_nocmdbuf) step $s 200 $NOCB $(L 8 190) $PY "$ROOT/tests/gpu_server_worker.py" ;;
-  protocol_n4) step $s 200 $(L 4 190) $PY "$ROOT/tests/gpu_protocol_worker.py" --quick ;;
-  soak_n2) step $s 300 $(L 2 290) $PY "$ROOT/tests/gpu_soak_worker.py" ${SOAK_ARGS:-} ;;
-  soak_n8) step $s 300 $(L 8 290) $PY "$ROOT/tests/gpu_soak_worker.py" ${SOAK8_ARGS:---cycles 200000} ;;
-  memcheck_n2) step $s 240 $(L 2 230) $SAN memcheck $PY "$ROOT/tests/gpu_worker.py" --quick --steps 2 ;;
-  racecheck_n2) step $s 240 $(L 2 230) $SAN racecheck $PY "$ROOT/tests/gpu_worker.py" --quick --steps 2 ;;
+  protocol_n2|protocol_n4|protocol_n8) step $s 200 $T $(L ${s:10:1} 190) $PY "$ROOT/tests/gpu_protocol_worker.py" --quick ;;
+  suite_n2_nocmdbuf) step $s 200 $T $NOCB $(L 2 190) $PY "$ROOT/tests/gpu_worker.py" --quick --steps 10 ;;
+  protocol_n2_nocmdbuf) step $s 200 $T $NOCB $(L 2 190) $PY "$ROOT/tests/gpu_protocol_worker.py" --quick ;;
+  grad_n2) step $s 300 $T $(L 2 290) $PY "$ROOT/tests/gpu_grad_worker.py" --quick ;;
+  soak_n2) step $s 300 $T $(L 2 290) $PY "$ROOT/tests/gpu_soak_worker.py" ${SOAK_ARGS:-} ;;
+  soak_n8) step $s 300 $T $(L 8 290) $PY "$ROOT/tests/gpu_soak_worker.py" ${SOAK8_ARGS:---cycles 200000} ;;
+  memcheck_n2) step $s 240 $T $(L 2 230) $SAN memcheck $PY "$ROOT/tests/gpu_worker.py" --quick --steps 2 ;;
+  racecheck_n2) step $s 240 $T $(L 2 230) $SAN racecheck $PY "$ROOT/tests/gpu_worker.py" --quick --steps 2 ;;
   flax_n8) step $s 240 $(L 8 230) $PY "$ROOT/tests/gpu_flax_worker.py" ${FLAX_ARGS:-} ;;
   parity_n2) step $s 200 $(L 2 190) $PY "$ROOT/tests/gpu_parity_worker.py" ;;
   decode_n8) step $s 240 $(L 8 230) $PY "$ROOT/examples/deepseek_decode.py" ${DECODE_ARGS:-} ;;

@@ -161,3 +161,27 @@ def test_split_api_takes_its_own_pending():
     a2a = AllToAll(cfg)
     with pytest.raises(TypeError, match="dispatch_recv takes the PendingDispatch"):
         a2a.dispatch_recv(np.zeros(3))
+
+
+def test_staged_transport_setting(monkeypatch):
+    """KernelTuning(transport="staged", node_size=) and JMC_TRANSPORT pick the peers sent to as
+    over a network (issue 25); bad values are named before any handle exists."""
+    from jax_moe_comm import KernelTuning
+    from jax_moe_comm.backends.nvshmem import forced_node_size
+
+    monkeypatch.delenv("JMC_TRANSPORT", raising=False)
+    assert forced_node_size(KernelTuning(), 8) == 0
+    assert forced_node_size(KernelTuning(transport="staged"), 8) == 1
+    assert forced_node_size(KernelTuning(transport="staged", node_size=4), 8) == 4
+    with pytest.raises(ValueError, match="node_size=3"):
+        forced_node_size(KernelTuning(transport="staged", node_size=3), 8)
+    with pytest.raises(ValueError, match="transport='staged' only"):
+        KernelTuning(node_size=2)
+    with pytest.raises(ValueError, match="transport='network'"):
+        KernelTuning(transport="network")
+    monkeypatch.setenv("JMC_TRANSPORT", "staged:2")
+    assert forced_node_size(KernelTuning(), 8) == 2
+    assert forced_node_size(KernelTuning(transport="staged", node_size=4), 8) == 4  # code wins
+    monkeypatch.setenv("JMC_TRANSPORT", "ib")
+    with pytest.raises(ValueError, match="JMC_TRANSPORT='ib'"):
+        forced_node_size(KernelTuning(), 8)

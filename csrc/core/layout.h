@@ -8,14 +8,14 @@
 //   started         [4]            u64  the cycle of this rank's latest start of each kernel
 //                                       (KernelId order); read by a peer whose wait timed out
 //   dispatch_count  [G]            u64  sender of group g SETs count_word(epoch, records)
-//   dispatch_flag   [G][max_m]     u64  record slot (g, i) SET to epoch after its bytes
 //   dispatch_ack    [world]        u64  receiver r SETs epoch once it has read our records
 //   combine_flag    [max_m][k]     u64  slot (t, j) SET to epoch after its expert row
 //   combine_ack     [world]        u64  home rank h SETs epoch once it has read our rows
 //   barrier_flag    [world]        u64  benchmark barrier: rank p SETs its barrier epoch
 //   recv_records    [G][max_m]     record  tokens from the sender of group g, in slot order
 //   combine_rows    [max_m][k]     row (combine dtype)  the expert output of slot (t, j)
-//   send_records    [max_m][G]     record  staged put sources (only when a peer is not P2P)
+//   send_records    [G][max_m]     record  staged records per destination in slot order, sent
+//                                          with one put each (only when a peer is not P2P)
 //   combine_staging [G*max_m*min(k,L)] row  staged put sources (only when a peer is not P2P)
 //
 // A token record: header (int32 token index, int32 expert ids [k], f32 weights [k]) padded to
@@ -80,7 +80,6 @@ struct SymmetricLayout {
   uint64_t* abort_word;
   uint64_t* started;  // [kStartedKernels]
   uint64_t* dispatch_count;
-  uint64_t* dispatch_flag;
   uint64_t* dispatch_ack;
   uint64_t* combine_flag;
   uint64_t* combine_ack;
@@ -116,7 +115,6 @@ struct SymmetricLayout {
     l.abort_word = take_u64(1);
     l.started = take_u64(kStartedKernels);
     l.dispatch_count = take_u64(G);
-    l.dispatch_flag = take_u64(G * m);
     l.dispatch_ack = take_u64(W);
     l.combine_flag = take_u64(m * k);
     l.combine_ack = take_u64(W);
@@ -139,11 +137,8 @@ struct SymmetricLayout {
   __host__ __device__ uint8_t* recv_record(int group, int slot) const {
     return recv_records + (static_cast<size_t>(group) * max_m + slot) * record.bytes;
   }
-  __host__ __device__ uint64_t* record_flag(int group, int slot) const {
-    return dispatch_flag + static_cast<size_t>(group) * max_m + slot;
-  }
-  __host__ __device__ uint8_t* send_record(int t, int group_index) const {
-    return send_records + (static_cast<size_t>(t) * num_groups + group_index) * record.bytes;
+  __host__ __device__ uint8_t* send_record(int group_index, int slot) const {
+    return send_records + (static_cast<size_t>(group_index) * max_m + slot) * record.bytes;
   }
   __host__ __device__ uint8_t* combine_row(int t, int j) const {
     return combine_rows + (static_cast<size_t>(t) * k + j) * combine_row_bytes;

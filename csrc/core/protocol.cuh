@@ -32,13 +32,21 @@ __device__ __forceinline__ T* peer_ptr(const CommonParams& c, T* local, int pe) 
 // nvshmem_fence: proxy transports run signals as atomics at the target, which UCX cannot do
 // without GDRCopy ("AMO 8 not supported ... GDRCopy Disabled"), and flags only need SET: a
 // whole aligned word, never added to.
+// A kernel that passes itself as `counted` adds the message to its staged_messages count.
+__device__ __forceinline__ void count_staged(const CommonParams& c, KernelId kernel,
+                                             uint64_t messages) {
+  atomicAdd(reinterpret_cast<unsigned long long*>(&c.scratch.state->staged_messages[kernel]),
+            static_cast<unsigned long long>(messages));
+}
+
 __device__ __forceinline__ void set_flag(const CommonParams& c, uint64_t* flag, uint64_t value,
-                                         int pe) {
+                                         int pe, int counted = -1) {
   if (uint64_t* direct = peer_ptr(c, flag, pe)) {
     st_release_sys_u64(direct, value);
   } else {
     nvshmem_fence();  // puts to pe issued before this one land first
     nvshmem_uint64_p(flag, value, pe);
+    if (counted >= 0) count_staged(c, static_cast<KernelId>(counted), 1);
   }
 }
 
@@ -46,9 +54,13 @@ __device__ __forceinline__ void set_flag(const CommonParams& c, uint64_t* flag, 
 // load/store, then lane 0 sets the flag behind the data (set_flag's fence orders them).
 __device__ __forceinline__ void put_then_flag_warp(const CommonParams& c, void* dst,
                                                    const void* src, size_t bytes,
-                                                   uint64_t* flag, uint64_t value, int pe) {
+                                                   uint64_t* flag, uint64_t value, int pe,
+                                                   KernelId counted) {
   nvshmemx_putmem_nbi_warp(dst, src, bytes, pe);
-  if (threadIdx.x % kWarpSize == 0) set_flag(c, flag, value, pe);
+  if (threadIdx.x % kWarpSize == 0) {
+    set_flag(c, flag, value, pe);
+    count_staged(c, counted, 2);
+  }
   __syncwarp();
 }
 

@@ -175,7 +175,7 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
   if (!is_last_block(c, kCombineRecvKernel)) return;
   if (acknowledge) {
     for (int h = threadIdx.x; h < s.world_size; h += blockDim.x)
-      set_flag(c, &sym.combine_ack[c.rank], epoch, h);
+      set_flag(c, &sym.combine_ack[c.rank], epoch, h, kCombineRecvKernel);
   }
   finish_launch(c, kCombineRecvKernel, epoch);
 }

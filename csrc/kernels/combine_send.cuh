@@ -122,7 +122,8 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
           __syncwarp();
           staged = copy;
         }
-        put_then_flag_warp(c, row, staged, sym.combine_row_bytes, flag, epoch, home);
+        put_then_flag_warp(c, row, staged, sym.combine_row_bytes, flag, epoch, home,
+                           kCombineSendKernel);
       }
     }
   }

@@ -3,16 +3,16 @@
 // 1. Outputs: expert_x [L, R, H], expert_x_scale [L, R, S] (fp8), expert_num_tokens [L],
 //    row_source [L, R] (pack_source(group, token, slot)), expert_weights [L, R] f32; rows past
 //    the count are undefined. R = max_m * G.
-// 2. Symmetric memory, epoch e: local dispatch_count[g], dispatch_flag[g][i], recv_records[g][i]
+// 2. Symmetric memory, epoch e: local dispatch_count[g], recv_records[g][i]
 //    (written by the sender of group g, s_g = g * dp + rank % dp); on s_g: dispatch_ack[rank].
 // 3. Step 1, every block: one thread per group waits (bounded) for dispatch_count[g] to carry
 //    epoch e (count_word, core/layout.h); its record count n_g is how many records come. A
 //    prefix over the groups goes to shared memory.
-//    A sender reachable by load/store published its count after all its records (release), so
-//    the count's acquire is all a block needs before reading them; a staged sender's records
-//    each carry a flag.
-//    Step 2: warps stride over all records of all groups. For record (g, i) of a staged sender
-//    the warp waits for its flag >= e; it checks the header (token < max_m), and for each
+//    A sender reachable by load/store published its count after all its records (release), a
+//    staged sender put its records in one put and the count behind a fence, so the count's
+//    acquire (and, staged, NVSHMEM's post-wait hook in wait_ge) is all a block needs.
+//    Step 2: warps stride over all records of all groups. A warp checks the record's header
+//    (token < max_m), and for each
 //    expert id that is local takes a row with atomicAdd on the expert's fill count (< R,
 //    checked; in shared memory when the grid is one block, else expert_fill in scratch) and
 //    copies payload, scales, weight and source.
@@ -89,10 +89,6 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
     }
     const int slot = static_cast<int>(i - first_record[g]);
     const int sender = g * dp + c.rank % dp;
-    if (peer_ptr(c, sym.abort_word, sender) == nullptr &&
-        !warp_wait_ge(c, sym.record_flag(g, slot), epoch, deadline, kPhaseDispatchRecv, sender,
-                      -1, kWhatRecord))
-      break;
     const uint8_t* rec = sym.recv_record(g, slot);
     const int32_t* header = reinterpret_cast<const int32_t*>(rec);
     const float* header_weights = reinterpret_cast<const float*>(header + 1 + k);
@@ -143,7 +139,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
   }
   if (healthy) {
     for (int g = threadIdx.x; g < G; g += blockDim.x)
-      set_flag(c, &sym.dispatch_ack[c.rank], epoch, g * dp + c.rank % dp);
+      set_flag(c, &sym.dispatch_ack[c.rank], epoch, g * dp + c.rank % dp, kDispatchRecvKernel);
   }
   finish_launch(c, kDispatchRecvKernel, epoch);
 }

@@ -11,7 +11,6 @@
 //      local  dispatch_ack[d_g]           waited >= e - 1: d_g has read our cycle e - 1 records,
 //                                         so its slots and our staged copies are free again.
 //      on d_g recv_records[my_group][i]   the record (header, payload, scales),
-//             dispatch_flag[my_group][i]  SET e after the record's bytes (staged records only),
 //             dispatch_count[my_group]    SET count_word(e, records sent to d_g) (layout.h),
 //                                         by the last block.
 // 4. Work items are (token t, destination g) pairs, t < num_tokens, strided over all warps of
@@ -20,13 +19,15 @@
 //    shared memory when the grid is one block, else in scratch) and writes the record:
 //      - d_g reachable by load/store (peer_ptr != nullptr): straight into the peer's
 //        recv_records with 16-byte stores, and no flag: the count's release covers them;
-//      - otherwise packed into send_records[t][g] (symmetric) and sent with
-//        a warp put, then the flag put behind a fence (core/protocol.cuh put_then_flag_warp).
-// 5. The last block publishes the counts, re-arms the send counts and advances the epoch. Its
-//    release store of a count comes after every block's records (block barrier, and across
-//    blocks the ticket's fences), so a load/store receiver that acquired the count sees all
-//    of them: one system fence per destination and cycle, where a flag per record made two in
-//    a row (the record's, then the count's) and cost the receiver a wait per record.
+//      - otherwise (staged: a peer on another node, or KernelTuning(transport="staged")) into
+//        send_records[g][slot] (symmetric), so a destination's records lie in slot order.
+// 5. The last block sends each staged destination's records in ONE block-wide put (to its
+//    recv_records[my_group][0..count)), then publishes every count, re-arms the send counts
+//    and advances the epoch: two messages per staged destination and cycle (the put, the
+//    count behind nvshmem_fence), where a put and a flag per record made two per token (what
+//    makes a CPU-proxy transport like IBRC or EFA slow). A count's release store (load/store
+//    peers) comes after every block's records (block barrier, and across blocks the ticket's
+//    fences), so a receiver that acquired the count sees all of them.
 // 6. Errors: an expert id outside [-1, E) or num_tokens outside [0, max_m] is recorded and
 //    broadcast (abort word); on a poisoned handle the kernel sends nothing.
 #pragma once
@@ -125,26 +126,32 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) 
     if (w.lane == 0) slot = static_cast<int>(atomicAdd(&send_count[g], 1u));
     slot = __shfl_sync(0xffffffffu, slot, 0);
     uint8_t* rec = sym.recv_record(my_group, slot);
-    if (uint8_t* direct = peer_ptr(c, rec, dst)) {
-      write_record(p, direct, t, w.lane);  // published by the count (step 3)
-    } else {
-      uint8_t* staged = sym.send_record(t, g);
-      write_record(p, staged, t, w.lane);
-      __syncwarp();
-      put_then_flag_warp(c, rec, staged, sym.record.bytes, sym.record_flag(my_group, slot),
-                         epoch, dst);
-    }
+    uint8_t* direct = peer_ptr(c, rec, dst);
+    // Load/store: straight into the peer, published by the count. Staged: packed in slot
+    // order, sent with the destination's other records in one put (step 3).
+    write_record(p, direct ? direct : sym.send_record(g, slot), t, w.lane);
   }
 
   // Step 3: the last block publishes the per-destination counts and closes the launch. The
   // abort word is read before the block barrier, so its load overlaps the other warps' work.
   const bool publish = ok && !poisoned(c);  // (a refused launch publishes nothing)
   if (!is_last_block(c, kDispatchSendKernel)) return;
+  if (publish && sym.staged()) {  // each staged destination's records: one put, whole block
+    for (int g = 0; g < G; ++g) {
+      const int dst = g * dp + my_member;
+      const uint32_t count = send_count[g];  // every block's slots are in (is_last_block)
+      if (count == 0 || peer_ptr(c, sym.abort_word, dst) != nullptr) continue;
+      nvshmemx_putmem_nbi_block(sym.recv_record(my_group, 0), sym.send_record(g, 0),
+                                static_cast<size_t>(count) * sym.record.bytes, dst);
+      if (threadIdx.x == 0) count_staged(c, kDispatchSendKernel, 1);
+    }
+    __syncthreads();  // every put issued before any count's fence (set_flag)
+  }
   for (int g = threadIdx.x; g < G; g += blockDim.x) {
     const uint32_t count = one_block ? send_count[g] : atomicExch(&send_count[g], 0u);
     if (publish)
       set_flag(c, &sym.dispatch_count[my_group], count_word(epoch, count, s.max_num_tokens),
-               g * dp + my_member);
+               g * dp + my_member, kDispatchSendKernel);
   }
   finish_launch(c, kDispatchSendKernel, epoch);
 }

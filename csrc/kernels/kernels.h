@@ -67,6 +67,9 @@ struct DeviceState {
   // buffer recorded before close() reads them safely, refuses, and is reported (kStaleLaunch)
   // instead of running on memory a newer handle may own.
   uint32_t closed;
+  // Messages (puts, flag puts) each kernel sent to staged peers, since creation or recover():
+  // the staged path's per-cycle message count, read by tests (module staged_messages()).
+  uint64_t staged_messages[kNumKernels];
 };
 
 // Per-call scratch in ordinary device memory, zero between calls (the kernels restore it).

@@ -52,7 +52,26 @@ def raise_recorded(message: str) -> None:
 # Settings read from the environment at creation that every rank must share (csrc/handle.cc
 # reads them): a rank that refused one alone would return before the collective allocation and
 # leave the others waiting there, so they are agreed first, with the differing rank named.
-PROTOCOL_ENV = ("JMC_FUSED", "JMC_PDL", "JMC_NUM_BLOCKS")
+PROTOCOL_ENV = ("JMC_FUSED", "JMC_PDL", "JMC_NUM_BLOCKS", "JMC_TRANSPORT")
+
+
+def forced_node_size(tuning: KernelTuning, world: int) -> int:
+    """Ranks per emulated node whose peers outside it are staged (KernelTuning.transport
+    "staged", else JMC_TRANSPORT=staged[:<node_size>]); 0: NVSHMEM decides per peer."""
+    transport, node_size = tuning.transport, tuning.node_size
+    if transport == "auto":
+        text = os.environ.get("JMC_TRANSPORT", "").strip()
+        name, _, size = text.partition(":")
+        if name not in ("", "auto", "staged") or (size and not size.isdigit()):
+            raise ValueError(f"JMC_TRANSPORT={text!r}: expected auto, staged or "
+                             "staged:<ranks per emulated node>")
+        transport, node_size = (name or "auto"), int(size or 1)
+    if transport == "auto":
+        return 0
+    if node_size < 1 or world % node_size:
+        raise ValueError(f"transport='staged' with node_size={node_size}: the {world} ranks "
+                         "must split into emulated nodes of node_size ranks")
+    return node_size
 
 # Tests only (tests/gpu_server_worker.py sets it around a creation): handles start as if this many
 # cycles had completed, to run cycles across the epoch values a server reaches after months.
@@ -100,9 +119,10 @@ class NvshmemBackend:
         # a hang (every rank publishes before any rank refuses).
         shape = (cfg.num_experts, cfg.experts_per_token, cfg.hidden, cfg.max_num_tokens,
                  cfg.world_size, cfg.dp_size, cfg.dispatch_dtype.name, cfg.combine_dtype.name)
+        node_size = forced_node_size(tuning, cfg.world_size)
         settings = dict({k: os.environ.get(k, "") for k in PROTOCOL_ENV},
                         num_blocks=tuning.num_blocks, warps_per_block=tuning.warps_per_block,
-                        start_epoch=_start_epoch)
+                        staged_node_size=node_size, start_epoch=_start_epoch)
         tag = bootstrap.next_collective_tag("handle")
         mine = json.dumps({"shape": shape, "settings": settings})
         everyone = [json.loads(v) for v in bootstrap.all_gather(tag + ":shape", mine)]
@@ -115,7 +135,8 @@ class NvshmemBackend:
             in_bytes=cfg.dispatch_dtype.itemsize, num_scales=cfg.num_scales,
             out_bytes=cfg.combine_dtype.itemsize, timeout_ns=int(timeout_s * 1e9),
             num_blocks=tuning.num_blocks, warps=tuning.warps_per_block,
-            staged=bootstrap.staged(), start_epoch=_start_epoch)
+            staged=bootstrap.staged() or 0 < node_size < cfg.world_size,
+            staged_node_size=node_size, start_epoch=_start_epoch)
         if not handle:  # refused before anything collective happened (same on every rank)
             raise ValueError(f"cannot create the all-to-all handle: {error}")
         # Past the collective allocation: if any rank failed, every rank frees it together.
@@ -258,6 +279,13 @@ class NvshmemBackend:
         """(blocks, warps per block) of dispatch_send, dispatch_recv, combine_send, combine_recv,
         then of the fused dispatch and combine."""
         return [tuple(x) for x in self._mod.launch_shape(self.handle)]
+
+    def staged_messages(self) -> dict[str, int]:
+        """Messages (puts, flag puts) each kernel sent to staged peers since creation or
+        recover() (waits for the device): the staged path's cost in network messages."""
+        counts = self._mod.staged_messages(self.handle)
+        return dict(zip(("dispatch_send", "dispatch_recv", "combine_send", "combine_recv"),
+                        (int(c) for c in counts)))
 
     def dependent_launch(self) -> bool:
         """Whether the kernels start as programmatic dependent launches (Hopper+, JMC_PDL)."""
