@@ -254,6 +254,7 @@ def main() -> int:
                   commit=git_commit(), date=datetime.datetime.now(datetime.UTC).isoformat(),
                   command=" ".join(["python"] + sys.argv), ks=args.ks, reps=args.reps,
                   mps_share=os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+                  transport=os.environ.get("JMC_TRANSPORT") or "auto",
                   host_us_per_trivial_call=trivial_us, rows=[])
     for config in args.configs.split(","):
         for tokens in map(int, args.tokens.split(",")):

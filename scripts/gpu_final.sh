@@ -23,7 +23,7 @@ step() {  # name, limit, command...
   [ "$limit" -gt "$left" ] && limit=$left
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
-  { grep -E "PASS|FAIL|SUITE PASSED|SUITE FAILED|SOAK|per token|latency|logits|ERROR SUMMARY|RACECHECK SUMMARY" "$LOGS/$name.log" \
+  { grep -E "PASS|FAIL|SUITE PASSED|SUITE FAILED|SOAK|per token|latency|logits|ERROR SUMMARY|RACECHECK SUMMARY|us/cycle|graph " "$LOGS/$name.log" \
       | grep -v "JAX detected proxy" | head -40
     echo "-- $name rc=$rc in $(( $(date +%s) - t0 )) s"; } | tee -a "$OUT/summary.txt"
   tar czf "$OUT/final_logs.tgz" -C /tmp final_logs  # kept as it goes: a cut call keeps it
@@ -53,6 +53,8 @@ for s in $STEPS; do
   soak_n8) step $s 300 $T $(L 8 290) $PY "$ROOT/tests/gpu_soak_worker.py" ${SOAK8_ARGS:---cycles 200000} ;;
   memcheck_n2) step $s 240 $T $(L 2 230) $SAN memcheck $PY "$ROOT/tests/gpu_worker.py" --quick --steps 2 ;;
   racecheck_n2) step $s 240 $T $(L 2 230) $SAN racecheck $PY "$ROOT/tests/gpu_worker.py" --quick --steps 2 ;;
+  loop_n8) step $s 300 $T $(L 8 290) $PY "$ROOT/benchmarks/bench_loop.py" --tokens ${LOOP_TOKENS:-1,16,128} \
+      --calls 0 --timeline 0 --variants graph --out "$OUT/loop_${s/@/_}.json" ;;
   flax_n8) step $s 240 $(L 8 230) $PY "$ROOT/tests/gpu_flax_worker.py" ${FLAX_ARGS:-} ;;
   parity_n2) step $s 200 $(L 2 190) $PY "$ROOT/tests/gpu_parity_worker.py" ;;
   decode_n8) step $s 240 $(L 8 230) $PY "$ROOT/examples/deepseek_decode.py" ${DECODE_ARGS:-} ;;

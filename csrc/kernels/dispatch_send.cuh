@@ -136,7 +136,11 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) 
   // abort word is read before the block barrier, so its load overlaps the other warps' work.
   const bool publish = ok && !poisoned(c);  // (a refused launch publishes nothing)
   if (!is_last_block(c, kDispatchSendKernel)) return;
-  if (publish && sym.staged()) {  // each staged destination's records: one put, whole block
+  // One verdict for the whole block: its threads read the abort word at different times, and
+  // a block-wide put that only some threads enter traps (an illegal instruction, seen under
+  // compute-sanitizer when a bad expert index poisoned the handle mid-launch).
+  const bool publish_all = __syncthreads_and(publish);
+  if (publish_all && sym.staged()) {  // each staged destination's records: one put, whole block
     for (int g = 0; g < G; ++g) {
       const int dst = g * dp + my_member;
       const uint32_t count = send_count[g];  // every block's slots are in (is_last_block)
@@ -149,7 +153,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) 
   }
   for (int g = threadIdx.x; g < G; g += blockDim.x) {
     const uint32_t count = one_block ? send_count[g] : atomicExch(&send_count[g], 0u);
-    if (publish)
+    if (publish_all)
       set_flag(c, &sym.dispatch_count[my_group], count_word(epoch, count, s.max_num_tokens),
                g * dp + my_member, kDispatchSendKernel);
   }
