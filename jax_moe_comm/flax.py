@@ -62,6 +62,14 @@ class MoEAux(NamedTuple):
     expert_load: jax.Array  # [E] f32: routed slots per expert over every rank
 
 
+class Routing(NamedTuple):
+    """MoE.routing: the router's view of each token."""
+
+    indices: jax.Array  # [..., k] int32: the experts chosen
+    scores: jax.Array  # [..., E] f32: the selection scores (scores + expert bias) top-k ranks
+    margin: jax.Array  # [...] f32: router.selection_margin, in selection score
+
+
 class _Handles:
     """The layer's AllToAll per token budget; a static attribute shared by identity between
     the copies of the module graph that nnx transforms make."""
@@ -436,15 +444,7 @@ class MoE(nnx.Module):
         gather_params), on whatever device x is on."""
         flat, lead = self._flatten(x) if params is None else (
             jnp.asarray(x).reshape(-1, self.layer.hidden), tuple(x.shape[:-1]))
-        p = dict(params if params is not None else self._params())
-        bias = p.pop("expert_bias", None)
-        if bias is None and self.router_cfg.expert_bias:
-            bias = self._bias()
-            if params is not None:  # a local copy, on x's device (the bias is replicated)
-                bias = np.asarray(bias if bias.is_fully_addressable else
-                                  bias.addressable_data(0))
-        p = {n: jnp.asarray(v).astype(jnp.float32 if n == "router" else self.dtype)
-             for n, v in p.items()}
+        p, bias = self._params_and_bias(params)
         T = flat.shape[0]
         live = jnp.ones((T,), bool)
         if num_tokens is not None:
@@ -460,11 +460,52 @@ class MoE(nnx.Module):
                                    flat.astype(jnp.bfloat16), live, bias)
         return y.astype(self.dtype).reshape(lead + (self.layer.hidden,))
 
+    def routing(self, x, *, params=None) -> Routing:
+        """The router's view of x [B, S, H] or [T, H], as the layer and `dense` route it: the
+        experts chosen for each token, the selection scores they were chosen by, and how far
+        that choice is from changing (router.selection_margin). With `params` (full values, as
+        for `dense`), on whatever device x is on.
+
+        For checks against another implementation of the layer: where the two implementations'
+        selection scores for a token differ by more than its margin, they may route it to other
+        experts (a near-tie), and its output then differs by O(1)."""
+        flat, lead = self._flatten(x) if params is None else (
+            jnp.asarray(x).reshape(-1, self.layer.hidden), tuple(x.shape[:-1]))
+        p, bias = self._params_and_bias(params)
+        k, E = self.layer.experts_per_token, self.layer.num_experts
+        logits = _router_logits(flat.astype(jnp.bfloat16), p["router"])
+        select = rtr.scores(self.router_cfg, logits)
+        if bias is not None:
+            select = select + jnp.asarray(bias, jnp.float32)[None, :]
+        return Routing(rtr.route(self.router_cfg, logits, k, bias).indices.reshape(lead + (k,)),
+                       select.reshape(lead + (E,)),
+                       rtr.selection_margin(self.router_cfg, logits, k, bias).reshape(lead))
+
+    def _params_and_bias(self, params):
+        """(the parameters as the layer computes with them, the expert bias or None): this
+        layer's, or `params` (full values, on x's device) with its "expert_bias" if any."""
+        p = dict(params if params is not None else self._params())
+        bias = p.pop("expert_bias", None)
+        if bias is None and self.router_cfg.expert_bias:
+            bias = self._bias()
+            if params is not None:  # a local copy, on x's device (the bias is replicated)
+                bias = np.asarray(bias if bias.is_fully_addressable else
+                                  bias.addressable_data(0))
+        p = {n: jnp.asarray(v).astype(jnp.float32 if n == "router" else self.dtype)
+             for n, v in p.items()}
+        return p, bias
+
 
 # -- the layer, per rank -------------------------------------------------------------------------
+def _router_logits(x, router):
+    """[m, E] f32 router logits of x [m, H] (bf16 in the layer): an f32 matmul at full
+    precision."""
+    return jnp.dot(x.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
+
+
 def route_tokens(layer: MoELayerConfig, cfg: rtr.RouterConfig, router, x, live, bias=None):
     """(router.Routed with dead rows' indices -1, LoadStats) of x [m, H] per rank."""
-    logits = jnp.dot(x.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
+    logits = _router_logits(x, router)
     routed = rtr.route(cfg, logits, layer.experts_per_token, bias)
     indices = jnp.where(live[:, None], routed.indices, -1)
     return routed._replace(indices=indices), rtr.load_stats(routed, live)

@@ -17,8 +17,10 @@ The options are those of the model families the layer serves (names as in their 
   normalized over the experts), over the live tokens; 1 when perfectly balanced.
 
 softmax with normalize=True and no groups or bias is `moe.route` (the softmax of the top-k
-logits). Everything here is per rank and plain JAX; `load_stats` gives the sums a caller adds
-over the token-sharded mesh axes before `load_balancing_loss`.
+logits). `selection_margin` says how far each token's choice is from changing (for comparing
+two implementations that round differently). Everything here is per rank and plain JAX;
+`load_stats` gives the sums a caller adds over the token-sharded mesh axes before
+`load_balancing_loss`.
 """
 
 from __future__ import annotations
@@ -86,19 +88,45 @@ def scores(cfg: RouterConfig, logits):
     return jax.nn.softmax(logits, axis=-1) if cfg.score == "softmax" else jax.nn.sigmoid(logits)
 
 
+def _grouped(cfg: RouterConfig) -> bool:
+    return cfg.num_groups > 1 and cfg.kept_groups < cfg.num_groups
+
+
+def _group_scores(cfg: RouterConfig, select):
+    """[T, G] f32: each group's score, the sum of its two best selection scores."""
+    T, E = select.shape
+    grouped = select.reshape(T, cfg.num_groups, E // cfg.num_groups)
+    return jnp.sum(jax.lax.top_k(grouped, min(2, E // cfg.num_groups))[0], axis=-1)
+
+
+def _eligible(cfg: RouterConfig, s, bias):
+    """(selection scores [T, E]: s + bias, -inf outside the kept groups; group scores [T, G]
+    or None without grouped top-k)."""
+    select = s if bias is None else s + bias.astype(jnp.float32)[None, :]
+    if not _grouped(cfg):
+        return select, None
+    T, E = select.shape
+    G = cfg.num_groups
+    group = _group_scores(cfg, select)
+    _, keep = jax.lax.top_k(group, cfg.kept_groups)  # [T, kept]
+    mask = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], keep].set(True)
+    return jnp.where(jnp.repeat(mask, E // G, axis=1), select, -jnp.inf), group
+
+
+def _gap(values, n: int):
+    """[T] f32: values' n-th largest less its (n+1)-th; inf where there is none to lose to."""
+    if n >= values.shape[-1]:
+        return jnp.full(values.shape[:1], jnp.inf, jnp.float32)
+    top = jax.lax.top_k(values, n + 1)[0]
+    gap = top[:, n - 1] - top[:, n]
+    return jnp.where(jnp.isfinite(top[:, n]), gap, jnp.inf)
+
+
 def route(cfg: RouterConfig, logits, k: int, bias=None) -> Routed:
     """Top-k experts of each token of logits [T, E] (see the module docstring)."""
-    T, E = logits.shape
-    cfg.check(E, k)
+    cfg.check(logits.shape[1], k)
     s = scores(cfg, logits)
-    select = s if bias is None else s + bias.astype(jnp.float32)[None, :]
-    if cfg.num_groups > 1 and cfg.kept_groups < cfg.num_groups:
-        G = cfg.num_groups
-        grouped = select.reshape(T, G, E // G)
-        best = jax.lax.top_k(grouped, min(2, E // G))[0]
-        _, keep = jax.lax.top_k(jnp.sum(best, axis=-1), cfg.kept_groups)  # [T, kept]
-        mask = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], keep].set(True)
-        select = jnp.where(jnp.repeat(mask, E // G, axis=1), select, -jnp.inf)
+    select, _ = _eligible(cfg, s, bias)
     _, indices = jax.lax.top_k(select, k)
     weights = jnp.take_along_axis(s, indices, axis=-1)
     if cfg.normalize:
@@ -106,6 +134,28 @@ def route(cfg: RouterConfig, logits, k: int, bias=None) -> Routed:
     weights = weights * cfg.scale
     probs = s if cfg.score == "softmax" else s / (jnp.sum(s, axis=-1, keepdims=True) + 1e-20)
     return Routed(indices.astype(jnp.int32), weights.astype(jnp.float32), probs)
+
+
+def selection_margin(cfg: RouterConfig, logits, k: int, bias=None):
+    """[T] f32: how far each token's choice of experts in `route` is from changing.
+
+    The k experts `route` chooses for a token stay the same under any change of its selection
+    scores (scores + bias) smaller than the margin in every expert. It is the smaller of half
+    the gap between the k-th and the (k+1)-th eligible expert's score and, with grouped top-k,
+    a quarter of the gap between the last kept group's score and the best dropped one's (a
+    group scores the sum of two selection scores, so it moves twice as far). inf where nothing
+    competes (no more than k eligible experts, every group kept).
+
+    For comparing two implementations of a layer: where their scores differ by less than a
+    token's margin, they choose the same experts for it; a token whose margin is within their
+    rounding differences may be routed differently by each (a near-tie).
+    """
+    cfg.check(logits.shape[1], k)
+    select, group = _eligible(cfg, scores(cfg, logits), bias)
+    margin = _gap(select, k) / 2
+    if group is not None:
+        margin = jnp.minimum(margin, _gap(group, cfg.kept_groups) / 4)
+    return margin
 
 
 class LoadStats(NamedTuple):

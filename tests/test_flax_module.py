@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_moe_comm.flax as jf  # noqa: E402
 from jax_moe_comm import ProtocolError  # noqa: E402
+from jax_moe_comm import router as rtr  # noqa: E402
 from jax_moe_comm.router import RouterConfig  # noqa: E402
 
 E, K, H, F = 8, 2, 128, 128
@@ -62,6 +63,36 @@ def test_bsh_and_th_inputs_on_a_data_expert_mesh_match_the_dense_layer():
     assert not np.asarray(y, np.float32).reshape(64, H)[50:].any()
     close_to_dense(moe, x, y, num_tokens=50, mask=mask)
     jf.check_handles(moe)  # nothing recorded (the reference counts per device: no false alarm)
+    moe.close()
+
+
+def test_routing_is_the_layers_choice_with_its_scores_and_margin():
+    """MoE.routing, on global arrays and on one device with full params: the experts the
+    layer's router (route_tokens) chooses, the selection scores (sigmoid + expert bias) and
+    router.selection_margin of the same f32 logits."""
+    cfg = RouterConfig(score="sigmoid", num_groups=4, topk_groups=2, expert_bias=True)
+    moe = make(mesh2(), router=cfg)
+    moe.expert_bias[...] = jnp.linspace(-0.1, 0.1, E)
+    x = np.random.default_rng(2).standard_normal((4, 16, H)).astype(jnp.bfloat16)
+    r = moe.routing(jnp.asarray(x))
+    assert isinstance(r, jf.Routing)
+    assert (r.indices.shape, r.scores.shape, r.margin.shape) == ((4, 16, K), (4, 16, E), (4, 16))
+    local = jax.devices()[0]
+    p = {k: jax.device_put(v, local) for k, v in full_params(moe).items()}
+    r1 = jax.jit(lambda x, p: moe.routing(x, params=p))(jax.device_put(x, local), p)
+    for a, b in zip(r, r1):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    flat = jnp.asarray(x.reshape(-1, H))
+    bias = np.asarray(moe.expert_bias[...])
+    routed, _ = jf.route_tokens(moe.layer, cfg, p["router"], flat, jnp.ones(64, bool), bias)
+    np.testing.assert_array_equal(np.asarray(r.indices).reshape(-1, K), np.asarray(routed.indices))
+    logits = np.asarray(flat, np.float32) @ np.asarray(p["router"], np.float32)
+    np.testing.assert_allclose(np.asarray(r.scores).reshape(-1, E),
+                               1 / (1 + np.exp(-logits)) + bias, rtol=1e-5, atol=1e-6)
+    margin = np.asarray(rtr.selection_margin(cfg, jnp.asarray(logits), K, jnp.asarray(bias)))
+    np.testing.assert_allclose(np.asarray(r.margin).reshape(-1), margin, rtol=1e-3, atol=1e-6)
+    assert (margin > 0).all()
     moe.close()
 
 

@@ -2,6 +2,7 @@
 model papers' definitions: softmax / sigmoid scores, grouped top-k, expert bias for selection
 only, normalized and scaled weights, the load-balancing loss."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -109,3 +110,82 @@ def test_groups_must_divide_the_experts_and_hold_k():
         R.RouterConfig(num_groups=4).check(10, 2)
     with pytest.raises(ValueError, match="experts_per_token=5 exceeds the 4 experts"):
         R.RouterConfig(num_groups=4, topk_groups=1).check(16, 5)
+
+
+def np_margin(logits, k, score, num_groups=1, topk_groups=None, bias=None, **_):
+    """router.selection_margin from its definition: half the gap between the k-th and the
+    (k+1)-th eligible selection score, a quarter of the gap between the last kept and the best
+    dropped group's score."""
+    T, E = logits.shape
+    s = (np.exp(logits - logits.max(-1, keepdims=True)) if score == "softmax"
+         else 1 / (1 + np.exp(-logits)))
+    if score == "softmax":
+        s = s / s.sum(-1, keepdims=True)
+    sel = s + (0 if bias is None else bias[None])
+    out = np.zeros(T)
+    for t in range(T):
+        row, group_gap = sel[t], np.inf
+        kept = topk_groups or num_groups
+        if num_groups > 1 and kept < num_groups:
+            g = row.reshape(num_groups, E // num_groups)
+            gs = np.sort(np.sort(g, axis=1)[:, ::-1][:, :2].sum(1))[::-1]
+            group_gap = gs[kept - 1] - gs[kept]
+            keep = np.argsort(-np.sort(g, axis=1)[:, ::-1][:, :2].sum(1), kind="stable")[:kept]
+            row = np.concatenate([g[i] for i in sorted(keep)])
+        row = np.sort(row)[::-1]
+        expert_gap = row[k - 1] - row[k] if len(row) > k else np.inf
+        out[t] = min(expert_gap / 2, group_gap / 4)
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_selection_margin_matches_numpy(name):
+    kw = dict(CASES[name])
+    rng = np.random.default_rng(2)
+    T, E, k = 64, 16, 4
+    logits = rng.standard_normal((T, E)).astype(np.float32) * 2
+    bias = (rng.standard_normal(E) * 0.3).astype(np.float32) if kw.pop("bias", False) else None
+    cfg = R.RouterConfig(expert_bias=bias is not None, **kw)
+    got = R.selection_margin(cfg, jnp.asarray(logits), k,
+                             None if bias is None else jnp.asarray(bias))
+    assert got.shape == (T,) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np_margin(logits, k, bias=bias, **kw),
+                               rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["sigmoid-scaled", "sigmoid-grouped-bias (DeepSeek-V3)",
+                                  "softmax-grouped"])
+def test_selection_margin_is_how_far_the_choice_is_from_changing(name):
+    """Moving every selection score by 0.99 x the margin against the choice (the chosen down,
+    the others up) keeps it; where the expert gap sets the margin, 1.01 x the margin on the
+    k-th and (k+1)-th alone changes it. Selection scores move through the bias, which route
+    adds to them."""
+    kw = dict(CASES[name])
+    kw.pop("bias", None)
+    cfg = R.RouterConfig(**kw)
+    rng = np.random.default_rng(3)
+    T, E, k = 24, 16, 4
+    logits = jnp.asarray(rng.standard_normal((T, E)).astype(np.float32) * 2)
+    margin = np.asarray(R.selection_margin(cfg, logits, k))
+    chosen = np.sort(np.asarray(R.route(cfg, logits, k).indices), 1)
+    select = np.asarray(R.scores(cfg, logits))
+    route = jax.jit(lambda x, b: R.route(cfg, x, k, b).indices)
+    tight = 0
+    for t in range(T):
+        mine = np.isin(np.arange(E), chosen[t])
+        against = np.where(mine, -1.0, 1.0) * 0.99 * margin[t]
+        kept = np.sort(np.asarray(route(logits[t:t + 1], jnp.asarray(against, jnp.float32))))
+        np.testing.assert_array_equal(kept[0], chosen[t], err_msg=f"token {t}")
+        # the k-th chosen and the best eligible one not chosen, in selection score
+        eligible = np.asarray(jnp.isfinite(R._eligible(cfg, jnp.asarray(select[t:t + 1]),
+                                                       None)[0]))[0]
+        order = [e for e in np.argsort(-select[t], kind="stable") if eligible[e]]
+        if len(order) <= k or (select[t, order[k - 1]] - select[t, order[k]]) / 2 > \
+                margin[t] * (1 + 1e-6):
+            continue  # the group gap sets the margin: no tightness claim
+        push = np.zeros(E)
+        push[order[k - 1]], push[order[k]] = -1.01 * margin[t], 1.01 * margin[t]
+        moved = np.sort(np.asarray(route(logits[t:t + 1], jnp.asarray(push, jnp.float32))))
+        assert not np.array_equal(moved[0], chosen[t]), f"token {t}"
+        tight += 1
+    assert tight >= T // 2, tight  # most tokens' margin is their expert gap
