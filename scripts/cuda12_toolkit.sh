@@ -6,8 +6,8 @@
 #
 # Why Debian: PyPI's CUDA 12 compiler wheels (nvidia-cuda-nvcc-cu12, 12.0 to 12.9) hold only
 # ptxas, libnvvm, libdevice and the crt/ headers: no nvcc driver, cicc, cudafe++, fatbinary or
-# nvlink, and no CUDA 12 wheel has libcudart_static.a or libcudadevrt.a (docs/notes.md lists the
-# files). Debian 13 ("trixie", non-free) packages NVIDIA's CUDA 12.4.1 binaries:
+# nvlink (docs/notes.md lists the files). Debian 13 ("trixie", non-free) packages NVIDIA's CUDA
+# 12.4.1 binaries, one coherent release:
 #   nvidia-cuda-toolkit  nvcc, cicc, cudafe++, fatbinary, nvlink, ptxas, bin2c, libdevice
 #   nvidia-cuda-dev      headers, libcudart_static.a, libcudadevrt.a (934 MB: only those are kept)
 #   libcudart12          libcudart.so (CMake's FindCUDAToolkit insists on it; the module links
