@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the CUDA 12 wheel (linked against nvidia-nvshmem-cu12==3.4.5) with nvcc 12, repairs it
 # with auditwheel like scripts/setup.sh, installs it into a fresh venv with jax's CUDA 12 packages
-# and loads its module there (no GPU needed). Needs no root. On 2 cores: 3.5 to 4 minutes from
-# nothing (toolkit 40 s, compile 85 to 105 s, fresh venv 60 to 70 s; docs/notes.md), 1.5 minutes
+# and loads its module there (no GPU needed). Needs no root. On 2 cores: 3 to 4 minutes from
+# nothing (toolkit 40 s, compile 75 to 105 s, fresh venv 50 to 70 s; docs/notes.md), 1 minute
 # again with the sources unchanged (30 s with JMC_CU12_EXTRA=).
 #
 #   bash scripts/build_cuda12.sh                                    # wheel in dist-cu12/
