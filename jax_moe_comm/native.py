@@ -104,8 +104,9 @@ def device_problem(device) -> str:
     kind = getattr(device, "device_kind", "this GPU")
     built = ", ".join(f"sm_{a}" for a in sass)
     ptx_note = f" + PTX for compute_{ptx}, which later GPUs JIT-compile" if ptx else ""
+    cuda = (getattr(_native_build, "CUDA_VERSION", "") or "13").split(".")[0]
     return (f"{kind} is sm_{sm}, but jax_moe_comm's CUDA module was built for {built}"
-            f"{ptx_note}. Rebuild it for this GPU: `pip install '.[cuda13]' -C "
+            f"{ptx_note}. Rebuild it for this GPU: `pip install '.[cuda{cuda}]' -C "
             f"cmake.define.JMC_CUDA_ARCHS={sm}` (NVSHMEM needs sm_70 or newer), or pass "
             "backend='reference'.")
 

@@ -243,3 +243,74 @@ def test_one_version_everywhere():
     assert jax_moe_comm.__version__ == version
     changelog = open(os.path.join(ROOT, "CHANGELOG.md")).read()
     assert f"\n## {version} (" in changelog, f"CHANGELOG.md has no section for {version}"
+
+
+# -- the CUDA 12 build (scripts/build_cuda12.sh; the build itself is opt-in in CI: JMC_CI_CUDA12=1)
+def _script(name, env, timeout=60):
+    return subprocess.run(["bash", os.path.join(ROOT, "scripts", name)], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+
+
+def _fake_cuda(root, release):
+    """A toolkit folder whose nvcc reports `release` and does nothing else."""
+    (root / "bin").mkdir(parents=True)
+    nvcc = root / "bin" / "nvcc"
+    nvcc.write_text(f'#!/bin/sh\necho "Cuda compilation tools, release {release}, V{release}.1"\n')
+    nvcc.chmod(0o755)
+    return root
+
+
+@pytest.mark.parametrize("release,archs,expected", [("12.4", None, "80;90"),
+                                                    ("12.8", None, "80;90;100"),
+                                                    ("12.9", "90", "90")])
+def test_build_cuda12_builds_for_the_architectures_its_nvcc_has(tmp_path, release, archs,
+                                                                 expected):
+    """sm_100 needs CUDA 12.8; the Debian toolkit the script assembles is 12.4."""
+    env = dict(os.environ, CUDA12_HOME=str(_fake_cuda(tmp_path / "cuda", release)),
+               JMC_CU12_PLAN="1")
+    env.pop("JMC_CUDA_ARCHS", None)
+    if archs:
+        env["JMC_CUDA_ARCHS"] = archs
+    r = _script("build_cuda12.sh", env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"(CUDA {release}), JMC_CUDA_ARCHS={expected}, nvidia-nvshmem-cu12==" in r.stdout
+
+
+def test_build_cuda12_refuses_a_toolkit_that_is_not_cuda_12(tmp_path):
+    env = dict(os.environ, CUDA12_HOME=str(_fake_cuda(tmp_path / "cuda", "13.0")),
+               JMC_CU12_PLAN="1")
+    r = _script("build_cuda12.sh", env)
+    assert r.returncode == 2 and "is CUDA 13.0, not 12" in r.stdout, r.stdout + r.stderr
+    env["CUDA12_HOME"] = str(tmp_path / "none")
+    r = _script("build_cuda12.sh", env)
+    assert r.returncode == 2 and "must be a CUDA 12 toolkit" in r.stdout, r.stdout + r.stderr
+
+
+def test_the_cuda12_build_pins_what_the_backend_and_the_extras_pin():
+    import tomllib
+
+    b = _backend()
+    script = open(os.path.join(ROOT, "scripts", "build_cuda12.sh")).read()
+    assert f'NVSHMEM_REQ="{b.nvshmem_requirement(12)}"' in script
+    assert f'JAX_REQ="{b.JAX_BUILD_REQUIRES}"' in script
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    assert b.nvshmem_requirement(12) in extras["cuda12"]
+    assert b.nvshmem_requirement(13) in extras["cuda13"] and extras["cuda"] == extras["cuda13"]
+
+
+def test_cuda12_toolkit_reuses_what_it_assembled_without_the_network(tmp_path):
+    import re
+
+    script = open(os.path.join(ROOT, "scripts", "cuda12_toolkit.sh")).read()
+    packages = re.search(r"^PACKAGES=\((.*?)\)", script, re.S | re.M).group(1).split()
+    assert all(p.startswith(("nvidia-cuda-", "libcudart12=")) and "~12.4.1-" in p
+               or p.startswith("libcu++-dev=2.3.2") for p in packages), packages  # CUDA 12.4.1
+    home = _fake_cuda(tmp_path / "tk" / "cuda-12.4", "12.4")
+    (home / "assembled-from").write_text("trixie " + " ".join(packages) + "\n")
+    env = dict(os.environ, CUDA12_TOOLKIT_DIR=str(tmp_path / "tk"), PATH="/nonexistent:/bin",
+               DEBIAN_MIRROR="http://unused.invalid/debian")  # any download would fail
+    r = _script("cuda12_toolkit.sh", env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().splitlines()[-1] == str(home)
+    assert "reusing" in r.stderr

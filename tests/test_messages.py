@@ -103,6 +103,8 @@ def test_gpu_arch_not_built_for_is_explained(monkeypatch):
     msg = native.device_problem(Dev())
     assert "Tesla T4 is sm_75" in msg and "built for sm_80, sm_90, sm_100" in msg
     assert "cmake.define.JMC_CUDA_ARCHS=75" in msg
+    monkeypatch.setattr(native, "_native_build", type("B", (), {"CUDA_VERSION": "12.4.131"}))
+    assert "pip install '.[cuda12]' -C" in native.device_problem(Dev())  # the module's CUDA
     for ok in ("8.0", "8.6", "9.0", "10.0", "10.3", "12.0"):
         Dev.compute_capability = ok
         assert native.device_problem(Dev()) == "", ok
