@@ -110,9 +110,14 @@ def main() -> int:
             a2a.check()
             return f"raised {raised}; after recover() 3 checked cycles on the same step"
 
-    def timeouts_say(tag: str, err: Exception | None, phrase: str) -> str:
-        """Every rank's error; at least one rank timed out, and every timeout names where the
-        late rank stood with `phrase`. Returns this rank's first line."""
+    def timeouts_say(tag: str, a2a: AllToAll, phrase: str) -> str:
+        """check() on every rank: at least one rank timed out, and every timeout names where
+        the late rank stood with `phrase`. Returns this rank's first line."""
+        err = None
+        try:
+            a2a.check()
+        except (PeerTimeoutError, PeerAbortedError) as e:
+            err = e
         mine = str(err).splitlines()[0] if err is not None else ""
         everyone = [bytes(v).decode() for v in
                     kv_allgather(tag, np.frombuffer(mine.encode() or b" ", np.uint8))]
@@ -136,12 +141,7 @@ def main() -> int:
                 if RANK == WORLD - 1:
                     time.sleep(3.0)
                 run_cycle(step, args, RANK)
-                err = None
-                try:
-                    a2a.check()
-                except (PeerTimeoutError, PeerAbortedError) as e:
-                    err = e
-                said = timeouts_say("late", err, f"rank {WORLD - 1} has not started cycle")
+                said = timeouts_say("late", a2a, f"rank {WORLD - 1} has not started cycle")
                 a2a.recover()
                 for i in range(3):
                     T.run_and_check(a2a, mesh, T.make_inputs(tiny, 200 + i), step=step)
@@ -171,12 +171,7 @@ def main() -> int:
                                            out_specs=spec))
                 x, _, idx, w, nt = T.global_inputs(tiny, mesh, T.make_inputs(tiny, 22))
                 run_cycle(fn, (x, idx, w, nt), RANK)
-                err = None
-                try:
-                    a2a.check()
-                except (PeerTimeoutError, PeerAbortedError) as e:
-                    err = e
-                said = timeouts_say("held", err, f"rank {WORLD - 1} is mid-cycle")
+                said = timeouts_say("held", a2a, f"rank {WORLD - 1} is mid-cycle")
                 a2a.recover()
                 T.run_and_check(a2a, mesh, T.make_inputs(tiny, 23))
                 a2a.check()
