@@ -198,14 +198,14 @@ __device__ __forceinline__ Wait wait_ge(const CommonParams& c, const uint64_t* f
 }
 
 // What a wait of `phase` that timed out on `peer` needed from it (which kernel, which cycle),
-// and where that peer's kernels had started (its `started` marks, `remote` where it is
-// load/store reachable, else a get), for the error record. Only on the timeout path, and not
+// and where that peer's kernels had started (its `started` marks, read through `remote` where
+// it is load/store reachable; nothing for a peer over the network), for the error record. Only on the timeout path, and not
 // inlined, with scalar arguments: inlined (or handed CommonParams, which the call then copies
 // to the stack), the remote reads took registers from the hot loops (dispatch_recv spilled
 // 112 bytes instead of 48).
-inline __device__ __noinline__ void read_peer_view(const uint64_t* remote, uint64_t* started,
-                                                   int peer, uint32_t phase, uint64_t expected,
-                                                   uint32_t what, uint64_t max_m, PeerView* v) {
+inline __device__ __noinline__ void read_peer_view(const uint64_t* remote, uint32_t phase,
+                                                   uint64_t expected, uint32_t what,
+                                                   uint64_t max_m, PeerView* v) {
   switch (phase) {  // an ack comes from the peer's recv, a count, record or row from its send
     case kPhaseDispatchSend: v->needed_kernel = kDispatchRecvKernel + 1; break;
     case kPhaseDispatchRecv: v->needed_kernel = kDispatchSendKernel + 1; break;
@@ -215,8 +215,13 @@ inline __device__ __noinline__ void read_peer_view(const uint64_t* remote, uint6
   }
   // A count word is count_word(cycle, 0); every other wait is for the cycle itself.
   v->needed_cycle = what == kWhatCount ? expected / (max_m + 1) : expected;
-  for (int i = 0; i < kStartedKernels; ++i)
-    v->started[i] = remote ? ld_relaxed_sys_u64(remote + i) : nvshmem_uint64_g(started + i, peer);
+  // Only a peer this rank can load from: a get to a peer over the network that is gone could
+  // block for good (or trap on a completion error), turning a bounded timeout into a hang.
+  if (remote == nullptr) {
+    v->needed_kernel = 0;  // no view: the message says nothing about where the peer stood
+    return;
+  }
+  for (int i = 0; i < kStartedKernels; ++i) v->started[i] = ld_relaxed_sys_u64(remote + i);
 }
 
 // The record of a wait that timed out, with the peer's view when the peer is a rank.
@@ -225,8 +230,8 @@ __device__ __forceinline__ void fail_timed_out(const CommonParams& c, Phase phas
                                                What what) {
   PeerView view{};
   if (peer >= 0 && peer < c.shape.world_size)
-    read_peer_view(peer_ptr(c, c.sym.started, peer), c.sym.started, peer, phase, expected,
-                   what, static_cast<uint64_t>(c.shape.max_num_tokens), &view);
+    read_peer_view(peer_ptr(c, c.sym.started, peer), phase, expected, what,
+                   static_cast<uint64_t>(c.shape.max_num_tokens), &view);
   fail(c, kPeerTimeout, phase, peer, token, expected, seen, what, &view);
 }
 
