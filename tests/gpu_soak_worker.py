@@ -78,7 +78,13 @@ def make_calls(split: AllToAll, fused: AllToAll, mesh, per_call: int, unroll: in
     cycles; even cycles on the split handle, odd ones on the fused handle."""
     cfg = split.config
 
-    def one_cycle(cycle, rank, a2a, ops_split):
+    def one_cycle(cycle, rank, a2a, ops_split, after):
+        # The inputs would come from the cycle number alone; `after` (this rank's count of
+        # wrong cycles, < 2^30) shifted right by 30 adds 0 that XLA cannot fold, so every input
+        # depends on the previous cycle's result and its ops run first (XLA orders by data:
+        # XLA:CPU ran the next cycles' sends before this one's receive, which the reference
+        # backend's protocol check refuses; order_after on x did not keep them in order there).
+        cycle = cycle + (after[0] >> 30)
         x, ids, w, nt = cycle_inputs(cfg, cycle, rank // cfg.dp_size)
         if ops_split:
             out = a2a.dispatch_recv(a2a.dispatch_send(x, ids, nt))
@@ -99,7 +105,7 @@ def make_calls(split: AllToAll, fused: AllToAll, mesh, per_call: int, unroll: in
             for u in range(unroll):
                 cycle = first[0] + i * unroll + u
                 a2a = split if u % 2 == 0 else fused
-                bad = bad + one_cycle(cycle, rank, a2a, ops_split=u % 2 == 0)
+                bad = bad + one_cycle(cycle, rank, a2a, ops_split=u % 2 == 0, after=bad)
             return bad
 
         return jax.lax.fori_loop(0, per_call // unroll, body, bad)
