@@ -119,16 +119,19 @@ class NvshmemBackend:
         # a hang (every rank publishes before any rank refuses).
         shape = (cfg.num_experts, cfg.experts_per_token, cfg.hidden, cfg.max_num_tokens,
                  cfg.world_size, cfg.dp_size, cfg.dispatch_dtype.name, cfg.combine_dtype.name)
-        node_size = forced_node_size(tuning, cfg.world_size)
         settings = dict({k: os.environ.get(k, "") for k in PROTOCOL_ENV},
                         num_blocks=tuning.num_blocks, warps_per_block=tuning.warps_per_block,
-                        staged_node_size=node_size, start_epoch=_start_epoch)
+                        transport=tuning.transport, node_size=tuning.node_size,
+                        start_epoch=_start_epoch)
         tag = bootstrap.next_collective_tag("handle")
         mine = json.dumps({"shape": shape, "settings": settings})
         everyone = [json.loads(v) for v in bootstrap.all_gather(tag + ":shape", mine)]
         problem = creation_mismatch(jax.process_index(), everyone)
         if problem:
             raise ValueError(f"AllToAll creation #{tag}: {problem}")
+        # After the agreement: a JMC_TRANSPORT this refuses is then refused on every rank alike
+        # (refused before it, one rank left the others waiting in the all_gather above).
+        node_size = forced_node_size(tuning, cfg.world_size)
         handle, error = self._mod.create_handle(
             num_experts=cfg.num_experts, k=cfg.experts_per_token, hidden=cfg.hidden,
             max_m=cfg.max_num_tokens, world=cfg.world_size, dp=cfg.dp_size,
