@@ -426,24 +426,24 @@ std::string out_of_order_reason(uint32_t phase) {
 // record has none. Cycles count from 1 per half; a rank's latest start is its started mark
 // with the highest (cycle, kernel order).
 std::string peer_state(const ErrorRecord& rec) {
-  if (rec.needed_kernel == 0 || rec.needed_kernel > kNumKernels) return "";
-  const int needed = static_cast<int>(rec.needed_kernel) - 1;
-  const uint64_t cycle = rec.needed_cycle;
+  if (rec.view.needed_kernel == 0 || rec.view.needed_kernel > kNumKernels) return "";
+  const int needed = static_cast<int>(rec.view.needed_kernel) - 1;
+  const uint64_t cycle = rec.view.needed_cycle;
   const std::string peer = "rank " + std::to_string(rec.peer);
   const std::string kernel = phase_name(needed + 1);  // phases number the kernels from 1
   int latest = 0;
   for (int k = 1; k < kNumKernels; ++k)
-    if (rec.peer_started[k] >= rec.peer_started[latest]) latest = k;
+    if (rec.view.started[k] >= rec.view.started[latest]) latest = k;
   const std::string latest_start =
-      rec.peer_started[latest] == 0
+      rec.view.started[latest] == 0
           ? "it started no kernel on this handle since its creation or recover()"
           : std::string("its latest start: ") + phase_name(latest + 1) + " of cycle " +
-                std::to_string(rec.peer_started[latest]);
-  if (rec.peer_started[needed] >= cycle)
+                std::to_string(rec.view.started[latest]);
+  if (rec.view.started[needed] >= cycle)
     return ". " + peer + " had started its " + kernel + " of cycle " + std::to_string(cycle) +
            " and not delivered: it stalled inside it (waiting on another rank, or its GPU or "
            "process hangs)";
-  if (rec.peer_started[latest] >= cycle)
+  if (rec.view.started[latest] >= cycle)
     return ". " + peer + " is mid-cycle: it has not started its " + kernel + " of cycle " +
            std::to_string(cycle) + " (" + latest_start +
            "): it is held up between ops (host work or a host pause between them)";

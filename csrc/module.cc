@@ -153,9 +153,9 @@ NB_MODULE(_native, m) {
     rec.token = -1;
     rec.expected = expected;
     rec.what = what;
-    rec.needed_kernel = needed_kernel;
-    rec.needed_cycle = needed_cycle;
-    for (size_t i = 0; i < 4 && i < started.size(); ++i) rec.peer_started[i] = started[i];
+    rec.view.needed_kernel = needed_kernel;
+    rec.view.needed_cycle = needed_cycle;
+    for (size_t i = 0; i < 4 && i < started.size(); ++i) rec.view.started[i] = started[i];
     return jmc::describe_error(rec, rank);
   });
   m.def("check_handle", [](int64_t id) {
