@@ -197,6 +197,10 @@ std::string validate_shape(const Shape& s) {
   // Shared-memory prefixes: [G + 1] in dispatch_recv, [L + 1] in combine_send.
   if (s.num_dp_groups() > 8192 || s.num_local_experts() > 8192)
     return "num_dp_groups and num_experts / world_size must be <= 8192";
+  if (s.packed_rows < 0 || s.packed_rows > s.max_recv_rows())
+    return "packed_rows (max_recv_rows) must be in [1, " + std::to_string(s.max_recv_rows()) +
+           "], or 0 for the padded layout";
+  if (s.drop_overflow != 0 && s.drop_overflow != 1) return "drop_overflow must be 0 or 1";
   return "";
 }
 
@@ -402,9 +406,10 @@ const char* what_name(uint32_t what) {
 }
 
 const char* code_name(uint32_t code) {
-  static const char* kCodes[] = {"Ok",          "PeerTimeout", "InvalidRouting", "InvalidRouting",
-                                 "CorruptData", "PeerAborted", "ProtocolError",  "ProtocolError"};
-  return code < 8 ? kCodes[code] : "Unknown";
+  static const char* kCodes[] = {"Ok",          "PeerTimeout",   "InvalidRouting",
+                                 "InvalidRouting", "CorruptData", "PeerAborted",
+                                 "ProtocolError",  "ProtocolError", "CapacityExceeded"};
+  return code < 9 ? kCodes[code] : "Unknown";
 }
 
 // What a kOutOfOrder launch broke, by the phase it was refused in.
@@ -488,6 +493,14 @@ std::string describe_error(const ErrorRecord& rec, int rank) {
       return "ProtocolError: " + where + "a launch on handle after close() (a compiled step "
              "replayed a recorded launch); it did nothing, and the step's outputs on this rank "
              "are not data (y is NaN)";
+    case kCapacityExceeded:
+      return "CapacityExceeded: " + where + std::to_string(rec.seen) +
+             " expert rows arrived this cycle, more than max_recv_rows=" +
+             std::to_string(rec.expected) + "; the " + std::to_string(rec.seen - rec.expected) +
+             " rows past it were not written and the handle stopped (overflow='fail'; "
+             "recover() restarts it). Raise max_recv_rows (MoEConfig.recv_rows_for with a larger "
+             "capacity factor), or create the handle with overflow='drop' to drop such rows "
+             "and go on";
     case kOutOfOrder:
       return "ProtocolError: " + where + out_of_order_reason(rec.phase) + " (sends completed " +
              std::to_string(rec.expected) + ", receives completed " + std::to_string(rec.seen) +
