@@ -243,7 +243,9 @@ def capacity_loop(a2a, mesh, cycles: int, split: bool = False):
 
         def cycle(i, carry):
             worst, rows_dropped, slots_dropped = carry
-            c = start.reshape(()) + i
+            # (+ a zero from the previous cycle XLA cannot fold: on XLA:CPU, cycles whose inputs
+            # do not depend on the last one's result get reordered; docs/notes.md)
+            c = start.reshape(()) + i + (rows_dropped >> 30)
             x = (x0 * (1.0 + 0.25 * c.astype(f32))).astype(bf16)
             spread = (tok * k + rank * m * k + c + jnp.arange(k)[None, :]) % E
             indices = jnp.where(c % 2 == 0, jnp.arange(k)[None, :], spread).astype(jnp.int32)
