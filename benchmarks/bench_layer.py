@@ -357,6 +357,16 @@ def predict_layer_s(case: Case, world: int, sharing: int, args) -> float:
     return sharing * (flops / args.peak_flops + nbytes / args.hbm_bps)
 
 
+def min_bytes(case: Case, world: int) -> int:
+    """A lower bound of a step's XLA memory per rank: expert_x and expert_y in bf16 over the
+    padded rows (today's packed layout is gathered from the padded one), or over the packed
+    rows where a capacity bounds them. Rows far past a rank's share skip without compiling."""
+    s = shape_of(case, world)
+    rows = s["packed"] if case.layout == "packed" and case.capacity and CAPACITY else \
+        s["L"] * s["R"]
+    return 2 * rows * s["H"] * 2
+
+
 # -- timing --------------------------------------------------------------------------------------
 def timed(fn):
     t = time.perf_counter()
@@ -578,6 +588,12 @@ class Bench:
         if pred > args.max_layer_s:
             row.update(status="skipped", error=f"skipped: predicted {pred:.2f} s per layer > "
                        f"--max-layer-s {args.max_layer_s}")
+            return row
+        least = min_bytes(case, world)
+        if self.mem_per_rank and least > 0.9 * self.mem_per_rank:
+            row.update(status="skipped", error=(
+                f"skipped: expert_x and expert_y alone need {least / 2**30:.1f} GiB per rank; "
+                f"a rank's share is {self.mem_per_rank / 2**30:.1f} GiB"))
             return row
         att = Attempt(f"row{len(self.rows)}")
         cfg = None
