@@ -10,9 +10,10 @@ this GPU: the local experts' weights read once plus our dispatch + combine alone
 Per row (all numbers per layer, per rank, the slowest rank of each sample, median of samples):
   loop_us     device time per layer: one jitted lax.fori_loop of n layers (each layer's output,
               RMS-normalised, is the next layer's input; the trip count is an argument, so one
-              program serves every n), timed at n = 1 and n = N with a key-value barrier before
-              each sample; the slope (t(N) - t(1)) / (N - 1) (host launch and sync cancel out).
-              loop_avg_us = t(N) / N beside it.
+              program serves every n), timed at n = 1 and n = N (N: --target-ms per sample) with
+              a key-value barrier before each sample; the slope (t(N) - t(1)) / (N - 1) (host
+              launch and sync cancel out) where N >= 5, else (long layers) t(N) / N, as
+              loop_method says; loop_slope_us and loop_avg_us = t(N) / N beside it.
   comm_us     the same loop with the expert GEMMs replaced by a cast (expert_x straight to
               combine; moe.experts_forward swapped while tracing): dispatch + combine (and the
               router, the normalisation) alone, same layout, same handle.
@@ -394,8 +395,13 @@ def time_loop(att: Attempt, name: str, run, args):
                 return None
             into.append(max(got))
     m1, mn = statistics.median(t1), statistics.median(tn)
-    return dict(us=max((mn - m1) / (n_big - 1), 0.0) * 1e6, avg_us=mn / n_big * 1e6,
-                n=n_big, samples=samples, one_us=m1 * 1e6)
+    slope, avg = (mn - m1) / (n_big - 1), mn / n_big
+    # The slope drops the call's fixed cost (launch, sync: ~0.1 ms); with few layers per sample
+    # (long layers, where that cost is < 1 %) or a slope lost in noise, t(N)/N is the figure.
+    use_slope = n_big >= 5 and slope > 0.5 * avg
+    return dict(us=(slope if use_slope else avg) * 1e6, slope_us=slope * 1e6, avg_us=avg * 1e6,
+                method="slope" if use_slope else "t(N)/N", n=n_big, samples=samples,
+                one_us=m1 * 1e6)
 
 
 def memory(compiled) -> dict:
@@ -709,6 +715,7 @@ class Bench:
             t = time_loop(att, "loop", run, args)
         if t is not None:
             row.update(loop_us=round(t["us"], 2), loop_avg_us=round(t["avg_us"], 2),
+                       loop_slope_us=round(t["slope_us"], 2), loop_method=t["method"],
                        loop_n=t["n"], samples=t["samples"])
             _, fin = att.do("loop_finite", lambda: bool(np.all([np.isfinite(
                 np.asarray(s.data, np.float32)).all() for s in xs["last"].addressable_shards])),
@@ -723,7 +730,7 @@ class Bench:
                 self.comm[comm_key] = c
         c = self.comm.get(comm_key)
         if c is not None:
-            row["comm_us"] = round(c["us"], 2)
+            row["comm_us"], row["comm_method"] = round(c["us"], 2), c["method"]
         # 4. the handle's own report: errors, dropped rows
         _, chk = att.do("check", lambda: self.check_handle(
             lambda: compiled(params, x0, nt, sv)), payload=lambda r: r)

@@ -91,7 +91,7 @@ for s in $STEPS; do
     step $s $(( gb + 40 )) "${E[@]}" PYTHONPATH="$TK_SITE${PYTHONPATH:+:$PYTHONPATH}" \
       $PY "$ROOT/benchmarks/bench_gemm.py" --configs V2Lite,R1 --tokens ${GEMM_TOKENS:-128,16,1} \
       --options ${GEMM_OPTIONS:-einsum,tokamax,tokamax_unfused,tokamax_xla,tokamax_triton} \
-      --budget-s $gb --out "$OUT" ;;
+      --budget-s $gb --out "$OUT" ${GEMM_ARGS:-} ;;
   *) echo "-- unknown step $s" | tee -a "$OUT/summary.txt" ;;
   esac
 done
