@@ -43,8 +43,9 @@ each rank's tokens biased onto the k experts 0..k-1, which live on rank 0) with 
 (dropped rows from a2a.dropped_rows(), output finite); and overflow="fail", whose check() must
 raise CapacityExceededError.
 
-Writes --out/<name>.json (meta + rows), <name>.md and <name>.png (matplotlib, if installed),
-rewritten after every row, so that a run cut short keeps what it measured.
+Writes --out/<name>.json (meta + rows), <name>.md and <name>.png (matplotlib, if installed;
+else `--replot <name>.json` draws it later on another machine), rewritten after every row, so
+that a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -131,6 +132,8 @@ def parse(argv=None):
     p.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
     p.add_argument("--name", default="", help="file stem (default layer_ep<world>)")
     p.add_argument("--out", default="")
+    p.add_argument("--replot", metavar="JSON", help="only rewrite the .md and .png of a run's "
+                   "JSON (e.g. here, where the GPU machine had no matplotlib), then exit")
     return p.parse_args(argv)
 
 
@@ -993,7 +996,20 @@ def plot(path, meta, rows):
         return f"no PNG: {short(e)}"
 
 
+def replot(path: str) -> int:
+    with open(path) as f:
+        run = json.load(f)
+    rows = run.pop("rows")
+    stem = os.path.splitext(path)[0]
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(run, rows))
+    print(f"wrote {stem}.md; png: {plot(stem + '.png', run, rows)}")
+    return 0
+
+
 def main() -> int:
+    if ARGS.replot:
+        return replot(ARGS.replot)
     bench = Bench(ARGS)
     try:
         return bench.run()

@@ -153,6 +153,10 @@ def test_layer_smoke(tmp_path, fake_site):
     assert "| tiny | 4 | padded | einsum |" in md and "## Goals" in md
     if run_.get("png") == "smoke.png":
         assert (out / "smoke.png").stat().st_size > 1000
+    # --replot redraws the report from the JSON alone (the GPU machine may lack matplotlib)
+    (out / "smoke.md").unlink()
+    run([LAYER, "--replot", str(out / "smoke.json")], fake_site, tmp_path)
+    assert (out / "smoke.md").read_text() == md
 
 
 def test_layer_capacity_rows(tmp_path, fake_site):
