@@ -72,6 +72,8 @@ for s in $STEPS; do
       --tokens ${LOOP_TOKENS:-1,16,128} --calls 0 --timeline 0 --variants graph \
       --out "$OUT/${s//[@:]/_}.json" ;;
   flax) step $s 240 "${E[@]}" $(L $n 230) $PY "$ROOT/tests/gpu_flax_worker.py" ${FLAX_ARGS:-} ;;
+  layout)  # packed layout, capacity drop/fail (issue 24), NaN weights, the layer on both layouts
+    step $s 240 "${E[@]}" $(L $n 230) $PY "$ROOT/tests/gpu_layout_worker.py" --quick ;;
   parity) step $s 200 "${E[@]}" $(L $n 190) $PY "$ROOT/tests/gpu_parity_worker.py" ;;
   decode) step $s 240 "${E[@]}" $(L $n 230) $PY "$ROOT/examples/deepseek_decode.py" ${DECODE_ARGS:-} ;;
   layer)  # issue 24: the layer step vs its floor; rows not started within its budget are
