@@ -23,6 +23,13 @@ class CorruptDataError(MoECommError):
     dropped instead of being written out of bounds."""
 
 
+class CapacityExceededError(MoECommError):
+    """More rows arrived at a rank than the packed layout's capacity (AllToAll(max_recv_rows=
+    ...)) holds, with overflow="fail". The rows past the capacity were not written; the message
+    names the rank, the rows that arrived and the capacity. The error stays recorded until
+    recover(). Raise max_recv_rows (or the capacity factor), or pass overflow="drop"."""
+
+
 class ProtocolError(MoECommError):
     """The API was misused: a recv without its send, two sends in flight on one handle,
     another handle's pending, a call on a closed handle, a handle created while tracing.
