@@ -36,6 +36,16 @@ def _check_dtype(name: str, dtype: Any, allowed: tuple) -> Any:
     return dt
 
 
+def check_capacity_factor(capacity_factor) -> float:
+    """capacity_factor as a float, or a ValueError: it must be finite and > 0."""
+    if isinstance(capacity_factor, bool) or not isinstance(
+            capacity_factor, (int, float, np.integer, np.floating)) or \
+            not math.isfinite(capacity_factor) or not capacity_factor > 0:
+        raise ValueError(f"capacity_factor={capacity_factor!r} must be a finite number > 0 "
+                         "(1.0: rows for the mean load under uniform routing)")
+    return float(capacity_factor)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoEConfig:
     """Static shape of one expert-parallel all-to-all.
@@ -143,12 +153,7 @@ class MoEConfig:
         capacity_factor * expected_recv_rows, rounded up to a multiple of 8, at most
         max_recv_total (the worst case, where nothing can overflow). 1.0 holds exactly the
         mean load; real routing is skewed, so leave headroom (e.g. 1.25-2)."""
-        if isinstance(capacity_factor, bool) or not isinstance(
-                capacity_factor, (int, float, np.integer, np.floating)) or \
-                not capacity_factor > 0 or not math.isfinite(capacity_factor):
-            raise ValueError(f"capacity_factor={capacity_factor!r} must be a finite number > 0 "
-                             "(1.0: rows for the mean load under uniform routing)")
-        rows = math.ceil(capacity_factor * self.expected_recv_rows)
+        rows = math.ceil(check_capacity_factor(capacity_factor) * self.expected_recv_rows)
         return min(self.max_recv_total, -(-rows // RECV_ROWS_ALIGN) * RECV_ROWS_ALIGN)
 
     @property

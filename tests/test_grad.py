@@ -36,13 +36,19 @@ bf16, fp8, f32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
 # -- a backend with the nvshmem backend's liberties -------------------------------------------
 class ShuffledRouting(NamedTuple):
     inner: Any
-    order: jax.Array  # [L, R]: row i of the shuffled layout is row order[i] of the inner one
+    order: jax.Array  # row dims: row i of the shuffled layout is row order[i] of the inner one
+
+
+def _expand(a, like):
+    """a with trailing unit axes up to like.ndim (to index or mask like's rows)."""
+    return a.reshape(a.shape + (1,) * (like.ndim - a.ndim))
 
 
 class ShuffledBackend:
     """The reference backend, but every dispatch_recv permutes each expert's live rows
     (differently at every call) and fills rows past the counts with NaN, in expert_x, its
-    scales and expert_weights: what the nvshmem backend may do."""
+    scales and expert_weights: what the nvshmem backend may do. Either layout: padded [L, R]
+    (within each expert's rows) or packed [C] (within each expert's contiguous segment)."""
 
     def __init__(self, inner, seed=0):
         self.inner, self.calls = inner, itertools.count(seed)
@@ -51,37 +57,50 @@ class ShuffledBackend:
         return getattr(self.inner, name)
 
     def dispatch_recv(self, pending):
-        ex, exs, counts, routing, ew = self.inner.dispatch_recv(pending)
-        L, R = ex.shape[:2]
+        ex, exs, counts, routing, ew, dropped = self.inner.dispatch_recv(pending)
         key = jax.random.fold_in(jax.random.key(next(self.calls)),
                                  jax.lax.axis_index(self.inner.axis_name))
-        live = jnp.arange(R)[None, :] < counts[:, None]
-        order = jnp.argsort(jnp.where(live, jax.random.uniform(key, (L, R)),
-                                      2.0 + jnp.arange(R)), axis=1)
+        if ex.ndim == 2:  # packed [C, H]: one sort over the experts' segments
+            C = ex.shape[0]
+            i = jnp.arange(C)
+            ends = jnp.cumsum(counts)
+            live = i < ends[-1]
+            segment = jnp.searchsorted(ends, i, side="right")  # L past the live rows
+            order = jnp.argsort(segment + jnp.where(live, 0.9 * jax.random.uniform(key, (C,)),
+                                                    i / (C + 1)))
+        else:
+            L, R = ex.shape[:2]
+            live = jnp.arange(R)[None, :] < counts[:, None]
+            order = jnp.argsort(jnp.where(live, jax.random.uniform(key, (L, R)),
+                                          2.0 + jnp.arange(R)), axis=1)
+        axis = order.ndim - 1
 
         def shuffle(a, fill):
             if a is None:
                 return None
-            idx = order.reshape(order.shape + (1,) * (a.ndim - 2))
-            a = jnp.take_along_axis(a, idx, axis=1)
-            return jnp.where(live.reshape(live.shape + (1,) * (a.ndim - 2)), a,
-                             jnp.asarray(fill, a.dtype))
+            a = jnp.take_along_axis(a, _expand(order, a), axis=axis)
+            return jnp.where(_expand(live, a), a, jnp.asarray(fill, a.dtype))
 
         return (shuffle(ex, jnp.nan), shuffle(exs, jnp.nan), counts,
-                ShuffledRouting(routing, order), shuffle(ew, jnp.nan))
+                ShuffledRouting(routing, order), shuffle(ew, jnp.nan), dropped)
 
     def combine_send(self, expert_y, routing):
-        inverse = jnp.argsort(routing.order, axis=1)
+        axis = routing.order.ndim - 1
+        inverse = jnp.argsort(routing.order, axis=axis)
         return self.inner.combine_send(
-            jnp.take_along_axis(expert_y, inverse[..., None], axis=1), routing.inner)
+            jnp.take_along_axis(expert_y, _expand(inverse, expert_y), axis=axis),
+            routing.inner)
 
-    def row_keys(self, routing):
-        return jnp.take_along_axis(self.inner.row_keys(routing.inner), routing.order, axis=1)
+    def row_keys(self, routing, dropped=False):
+        keys = self.inner.row_keys(routing.inner, dropped)
+        if dropped:  # not in expert_x: in any order
+            return keys
+        return jnp.take_along_axis(keys, routing.order, axis=routing.order.ndim - 1)
 
 
 class ShuffledAllToAll(AllToAll):
-    def _make_backend(self, config):
-        return ShuffledBackend(super()._make_backend(config), seed=len(self._backends))
+    def _make_backend(self, *args):
+        return ShuffledBackend(super()._make_backend(*args), seed=len(self._backends))
 
 
 class FusedShuffledBackend(ShuffledBackend):
@@ -107,8 +126,8 @@ class FusedShuffledBackend(ShuffledBackend):
 
 
 class FusedShuffledAllToAll(AllToAll):
-    def _make_backend(self, config):
-        return FusedShuffledBackend(super()._make_backend(config), seed=len(self._backends))
+    def _make_backend(self, *args):
+        return FusedShuffledBackend(super()._make_backend(*args), seed=len(self._backends))
 
 
 # -- cases ----------------------------------------------------------------------------------
@@ -339,8 +358,8 @@ class MarkedBackend:
 
 
 class MarkedAllToAll(AllToAll):
-    def _make_backend(self, config):
-        return MarkedBackend(super()._make_backend(config))
+    def _make_backend(self, *args):
+        return MarkedBackend(super()._make_backend(*args))
 
 
 def _count_ffi(jaxpr, target):

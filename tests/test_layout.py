@@ -65,11 +65,20 @@ def test_pack_unpack_round_trip():
 
 
 def test_oracle_catches_a_wrong_packing(monkeypatch):
-    """The packed checks fail when rows land in the wrong group."""
-    real = api.pack_rows
-    monkeypatch.setattr(api, "pack_rows", lambda p, c, t: real(p[::-1], c, t))
+    """The packed checks fail when rows land in the wrong group: the backend's live rows
+    shifted by one (each group's first row goes to the group before)."""
+    from jax_moe_comm.backends.reference import ReferenceBackend
+
+    real = ReferenceBackend.dispatch_recv
+
+    def shifted(self, pending):
+        ex, scale, counts, *rest = real(self, pending)
+        i, n = jnp.arange(ex.shape[0]), jnp.maximum(jnp.sum(counts), 1)
+        return (ex[jnp.where(i < n, (i + 1) % n, i)], scale, counts, *rest)
+
+    monkeypatch.setattr(ReferenceBackend, "dispatch_recv", shifted)
     cfg = _cfg(*CASES["EP8-k4-bf16"])
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="expected rows missing"):
         T.run_and_check(AllToAll(cfg, layout="packed"), T.make_mesh(8),
                         T.make_inputs(cfg, 2, ragged=False))
 
