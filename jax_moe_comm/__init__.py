@@ -23,7 +23,7 @@ __all__ = [
     "PendingDispatch", "resolve_backend",
     "KernelTuning", "MoEConfig", "InvalidRoutingError", "MoECommError",
     "NativeUnavailableError", "PeerTimeoutError", "ProtocolError", "PeerAbortedError",
-    "CorruptDataError", "CapacityExceededError", "ReferenceFallbackWarning", "init", "finalize", "expert_gemm",
-    "expert_mlp", "distributed",
+    "CorruptDataError", "CapacityExceededError", "ReferenceFallbackWarning", "init",
+    "finalize", "expert_gemm", "expert_mlp", "distributed",
 ]
 __version__ = "0.2.0"

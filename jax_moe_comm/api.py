@@ -481,11 +481,12 @@ class AllToAll:
         InvalidRoutingError (bad expert index or num_tokens of a live row; the slot was
         skipped), CapacityExceededError (overflow="fail": rows arrived past max_recv_rows; they
         were not written), PeerTimeoutError, PeerAbortedError (a peer failed first),
-        CorruptDataError, or ProtocolError (a half's send and recv out of order, or a compiled step replayed
-        after close()); also for the backward handles of a differentiable handle. On the GPU
-        the error stays recorded and every later check() raises it again, until recover()
-        (every later cycle on the handle does nothing and writes NaN rows of y). Under XLA
-        command buffers a replayed step runs no handler code, so its errors reach the host
+        CorruptDataError, or ProtocolError (a half's send and recv out of order, or a compiled
+        step replayed after close()); also for the backward handles of a differentiable
+        handle. On the GPU the error stays recorded and every later check() raises it again,
+        until recover() (every later cycle on the handle does nothing and writes NaN rows of
+        y); on the reference backend a CapacityExceededError or ProtocolError stays too. Under
+        XLA command buffers a replayed step runs no handler code, so its errors reach the host
         only here or in poll(): a decode loop should poll() every step or check() every few."""
         for b in self._backends:
             check = getattr(b, "check", None)

@@ -265,8 +265,8 @@ def _dispatch_out(plan: Plan, dequantize: bool, has_weights: bool, state):
 def _dispatch_recv(plan: Plan, dequantize: bool, state, x, x_scale, indices, num_tokens,
                    weights):
     """(expert_x, expert_x_scale, expert_num_tokens, routing, expert_weights, dropped) of the
-    dispatch that `state` is in flight for; x, x_scale, weights are that dispatch's inputs, taken here
-    only so that their gradient has a rule (the primal does not read them)."""
+    dispatch that `state` is in flight for; x, x_scale, weights are that dispatch's inputs,
+    taken here only so that their gradient has a rule (the primal does not read them)."""
     return _dispatch_out(plan, dequantize, weights is not None, state)
 
 

@@ -215,6 +215,45 @@ def test_rules_match_plain_autodiff_and_oracle(case, routing, split):
         np.testing.assert_allclose(got, want, atol=1e-2 * scale, err_msg=name)
 
 
+PACKED_CASES = [(EP8, "skewed", 0.5), (EP8_DP2, "duplicates", 0.5), (EP4_FP8, "random", None),
+                (EP4_DP2_FP8, "skewed", 0.5)]
+
+
+@pytest.mark.parametrize("case, routing, factor", PACKED_CASES,
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_packed_rules_with_a_capacity_match_plain_autodiff_and_oracle(case, routing, factor):
+    """layout="packed" with a capacity (factor: MoEConfig.recv_rows_for; None: the worst
+    case), overflow="drop": the rules on shuffled rows with NaN padding (as nvshmem may lay
+    them out) against plain-JAX autodiff of the reference backend in the same layout and
+    capacity, and against the numpy oracle without the dropped slots (their y terms are zero,
+    their d x and d weights zero)."""
+    cfg = case.cfg()
+    C = cfg.max_recv_total if factor is None else cfg.recv_rows_for(factor)
+    a2a = ShuffledAllToAll(cfg, layout="packed", max_recv_rows=C, overflow="drop",
+                           differentiable=True)
+    plan = a2a._plan
+    # The backward dispatch of dy must drop nothing: its own worst-case handle.
+    assert (plan.combine_grad is plan.dispatch_grad) == (cfg.dp_size == 1 and factor is None)
+    assert plan.combine_grad.recv_rows == plan.combine_grad.cfg.max_recv_total
+    assert plan.dispatch_grad.recv_rows == C
+    mesh = T.make_mesh(case.ep)
+    inp, G = T.make_inputs(cfg, 8, routing), T.loss_cotangent(cfg, 8)
+    expect = inp
+    if T.can_drop(a2a):
+        keys = np.asarray(T.make_step(a2a, mesh, dropped=True)(*T.global_inputs(
+            cfg, mesh, inp))[4])
+        assert (keys >= 0).any(), "no row was dropped: make the capacity smaller"
+        expect = T.without_slots(cfg, inp, keys)
+    T.check_grads_against_oracle(a2a, mesh, inp, G, expect=expect)
+    args = T.grad_inputs(cfg, mesh, inp, G)
+    rules, plain = (T.make_grad_step(a2a, mesh, plain=p)(*args) for p in (False, True))
+    for name, got, want in zip(("d x", "d weights", "y"), rules, plain):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        assert np.isfinite(got).all(), name
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(got, want, atol=1e-2 * scale, err_msg=name)
+
+
 @pytest.mark.parametrize("case", [EP8_DP2, EP4_FP8], ids=lambda c: c.name)
 def test_rules_on_shuffled_rows_and_nan_padding(case):
     """The rules as the nvshmem backend runs them: rows of an expert come in a different
@@ -408,9 +447,9 @@ def test_layer_gradients_on_shuffled_rows_are_finite_and_equal_dense():
 
 @pytest.mark.parametrize("name", ["dropped-slots", "dp2", "fp8"])
 def test_layer_gradients_on_the_packed_layout_equal_dense(name):
-    """layout="packed" (issue 12) on a differentiable handle: the packing is a gather from the
-    padded rows the gradient rules produce, so jax.grad goes through pack_rows/unpack_rows and
-    ragged_dot; rows shuffled and NaN padding as on nvshmem."""
+    """layout="packed" (issue 12) on a differentiable handle: the rules run on the packed
+    rows the backend writes, and jax.grad goes through the expert GEMMs on them; rows
+    shuffled and NaN padding as on nvshmem."""
     cfg, drop_rate, _, _ = LAYER_CASES[name]
     world = 8
     mesh = T.make_mesh(world)
