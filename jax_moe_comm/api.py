@@ -87,7 +87,7 @@ class Routing(NamedTuple):
     """DispatchOutput.routing: where each expert_x row came from. Opaque to callers."""
 
     backend: Any  # the backend's own record
-    expert_num_tokens: jax.Array  # [L] int32: where each expert's rows start when packed
+    expert_num_tokens: jax.Array  # [L] int32: the counts dispatch returned
 
 
 class PendingDispatch(NamedTuple):
@@ -396,10 +396,10 @@ class AllToAll:
                                           combine_dtype=jnp.float32)
                 # Its combine half reads d expert_x in the forward's rows: same capacity.
                 dispatch_grad = combine_grad = self._make_backend(bwd, self.max_recv_rows)
-                # dy is dispatched by every DP member (dp_size 1) and must drop nothing: the
-                # worst case, so a second handle unless dispatch_grad is both already.
-                worst = self.max_recv_rows == config.max_recv_total or layout == "padded"
-                if config.dp_size > 1 or not worst:
+                # dy is dispatched by every DP member (dp_size 1) and must drop nothing (the
+                # worst-case rows): a second handle unless dispatch_grad is that already.
+                drops_nothing = layout == "padded" or self.max_recv_rows == config.max_recv_total
+                if config.dp_size > 1 or not drops_nothing:
                     dp1 = dataclasses.replace(bwd, token_replicas=1)
                     combine_grad = self._make_backend(
                         dp1, dp1.max_recv_total if layout == "packed" else None)

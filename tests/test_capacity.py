@@ -62,6 +62,8 @@ def test_bad_capacity_arguments_say_what_to_pass():
     with pytest.raises(ValueError, match=r"overflow='ignore'; expected one of \('fail', "
                                          r"'drop'\)"):
         AllToAll(cfg, layout="packed", overflow="ignore")
+    with pytest.raises(ValueError, match=r"row_keys\(dropped=True\) is for layout='packed'"):
+        AllToAll(cfg).backend.row_keys(None, dropped=True)
     assert AllToAll(cfg).max_recv_rows is None
     assert AllToAll(cfg, layout="packed").max_recv_rows == cfg.max_recv_total
     assert AllToAll(cfg, layout="packed", max_recv_rows=np.int64(24)).max_recv_rows == 24

@@ -292,6 +292,9 @@ class ReferenceBackend:
         """routing.row_key(source group, token, slot) of each row, -1 where none: [L, R]
         (padded) or [recv_rows] (packed). dropped=True (packed only): the keys of the rows
         that did not fit, [max_recv_total - recv_rows], -1 past their number."""
+        if dropped and not self.packed:
+            raise ValueError("row_keys(dropped=True) is for layout='packed': a padded "
+                             "handle drops nothing")
         cfg = self.cfg
         ids, pos = routing
         src = jnp.arange(cfg.world_size)[:, None, None]
@@ -302,9 +305,6 @@ class ReferenceBackend:
         if not dropped:
             out = jnp.full(self._rows_shape, -1, jnp.int32)
             return out.at[self._row_index(ids, pos)].set(keys, mode="drop")
-        if not self.packed:
-            raise ValueError("row_keys(dropped=True) is for layout='packed': a padded "
-                             "handle drops nothing")
         spill = cfg.max_recv_total - self.recv_rows  # rows that can be dropped
         where = jnp.where((ids >= 0) & (pos >= self.recv_rows), pos - self.recv_rows, spill)
         return jnp.full((spill,), -1, jnp.int32).at[where].set(keys, mode="drop")
