@@ -462,10 +462,15 @@ def test_layer_gradients_on_the_packed_layout_equal_dense(name):
 
 
 # -- padding, expert_weights ----------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("differentiable", [False, True])
-def test_padding_rows_zero_on_differentiable_handles(differentiable):
+def test_padding_rows_zero_on_differentiable_handles(differentiable, layout):
+    """Rows past the counts (padded: per expert; packed: past sum(counts), with a capacity
+    here) are zero on differentiable handles, whatever the backend left there."""
     cfg = EP4_DP2_FP8.cfg()
-    a2a = ShuffledAllToAll(cfg, differentiable=differentiable)
+    more = {} if layout == "padded" else dict(layout="packed", overflow="drop",
+                                              max_recv_rows=cfg.recv_rows_for(1.0))
+    a2a = ShuffledAllToAll(cfg, differentiable=differentiable, **more)
     mesh = T.make_mesh(cfg.world_size)
     inp = T.make_inputs(cfg, 51)
     x, xs, idx, w, nt = T.global_inputs(cfg, mesh, inp)
@@ -477,7 +482,11 @@ def test_padding_rows_zero_on_differentiable_handles(differentiable):
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 5, out_specs=P("ep")))
     ex, exs, counts, ew = (np.asarray(a) for a in f(x, xs, idx, w, nt))
-    pad = np.arange(cfg.max_recv_tokens)[None, :] >= counts[:, None]
+    if layout == "packed":  # [EP * C] rows, each rank's live ones first
+        held = counts.reshape(cfg.world_size, -1).sum(axis=1)
+        pad = (np.arange(a2a.max_recv_rows)[None, :] >= held[:, None]).reshape(-1)
+    else:
+        pad = np.arange(cfg.max_recv_tokens)[None, :] >= counts[:, None]
     assert pad.any() and (~pad).any()
     assert np.all(ew[pad] == 0)  # always: it is small
     if differentiable:
