@@ -505,8 +505,10 @@ class AllToAll:
     def dropped_rows(self) -> int:
         """Rows that the capacity (packed max_recv_rows, or padded expert_capacity: the rows
         past it summed over the local experts) dropped on this process's ranks since creation
-        or recover(), with either overflow setting, over the dispatches that have run (read it
-        after their results); 0 when nothing can drop."""
+        or recover(), with overflow="drop", over the dispatches that have run (read it after
+        their results); 0 when nothing can drop. With overflow="fail" an overflowing cycle
+        drops nothing: it fails, and check() raises CapacityExceededError (on the GPU that
+        cycle's outputs, DispatchOutput.dropped_rows included, are not data)."""
         return self._backend.dropped_rows_total()
 
     def check(self) -> None:

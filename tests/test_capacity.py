@@ -277,8 +277,7 @@ def test_overflow_fail_raises_until_recover_and_the_next_cycle_is_right():
     inp = T.make_inputs(cfg, 4, "skewed", ragged=False)
     step = T.make_step(a2a, mesh, dropped=True)
     T.run_and_check(a2a, mesh, inp, step=step)  # the rows past C were not written either way
-    dropped = a2a.dropped_rows()
-    assert dropped > 0
+    assert a2a.dropped_rows() == 0  # a "fail" cycle is reported by check(), not counted
     with pytest.raises(CapacityExceededError) as err:
         a2a.check()
     msg = str(err.value)
@@ -311,7 +310,7 @@ def test_padded_overflow_fail_raises_until_recover_and_the_next_cycle_is_right()
     inp = T.make_inputs(cfg, 4, "skewed", ragged=False)
     step = T.make_step(a2a, mesh, dropped=True)
     T.run_and_check(a2a, mesh, inp, step=step)  # the rows past P were not written either way
-    assert a2a.dropped_rows() > 0
+    assert a2a.dropped_rows() == 0  # a "fail" cycle is reported by check(), not counted
     with pytest.raises(CapacityExceededError) as err:
         a2a.check()
     msg = str(err.value)

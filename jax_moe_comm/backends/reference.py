@@ -93,8 +93,9 @@ class Overflow:
         if n <= 0:
             return
         with self._lock:
-            self.dropped_total += n
-            if self.fail and not self.error:
+            if not self.fail:  # a "fail" cycle failed: reported by check(), not counted
+                self.dropped_total += n  # (the CUDA handle counts drops only with "drop")
+            elif not self.error:
                 self.error = self.message(rank, n, self.capacity)
 
     def reset(self) -> None:
