@@ -19,7 +19,11 @@ cotangent is zero there (combine never reads them).
 Options (rows): einsum (padded), ragged_dot (packed, XLA's lowering), ragged_dot_triton (the
 same with jax_ragged_dot_use_gpu_pallas_triton_lowering=True; its error recorded if it fails),
 tokamax (packed, tokamax's own choice of kernel; `impl` says which custom calls the compiled
-program holds), masked (padded, live rows gathered, tokamax's GEMM, scattered back).
+program holds; differentiated through grouped_vjp: tokamax's forward kernel for d x, XLA's
+batched GEMM over a window of rows per expert for d w), masked (padded, live rows gathered,
+tokamax's GEMM, scattered back).
+tokamax_kernelwgrad: the same VJP with tokamax's ragged-contracting kernel for d w;
+tokamax_ownvjp: tokamax's own VJP (its d w were 0.5 wrong at 768-1024 rows on 2026-12-05).
 Diagnosis variants of tokamax (issue 24: wrong at 128 tokens per rank, right at 1 and 16),
 named tokamax[_<implementation>][_unfused]:
   tokamax_unfused   SiLU outside tokamax: each GEMM with preferred_element_type=f32 and no
@@ -76,7 +80,7 @@ SMOKE_CONFIGS = {"tiny": (32, 4, 128, 256)}
 RANKS = 8
 HBM_BPS, PEAK_FLOPS = 4.0e12, 700e12
 OPTIONS = ("einsum", "ragged_dot", "ragged_dot_triton", "tokamax", "masked", "tokamax_unfused",
-           "tokamax_mosaic", "tokamax_xla", "tokamax_triton")
+           "tokamax_mosaic", "tokamax_xla", "tokamax_kernelwgrad", "tokamax_ownvjp")
 TOKAMAX_IMPLS = ("mosaic", "triton", "xla", "mosaic_gpu")  # tokamax 0.0.17's names
 TRITON_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
 
@@ -162,6 +166,11 @@ def option_fn(option):
         return "packed", lambda x, c, wi, wo: G.ragged_dot_mlp(x, c, wi, wo, **out)
     if option == "tokamax":
         return "packed", lambda x, c, wi, wo: G.tokamax_mlp(x, c, wi, wo, **out)
+    if option == "tokamax_kernelwgrad":  # our VJP, tokamax's ragged-contracting kernel for d w
+        return "packed", lambda x, c, wi, wo: G.tokamax_mlp(x, c, wi, wo, wgrad="kernel", **out)
+    if option == "tokamax_ownvjp":  # tokamax's own VJP (the layer's before grouped_vjp)
+        return "packed", lambda x, c, wi, wo: G._tokamax_forward(x, c.astype(jnp.int32), wi, wo,
+                                                                 bf16)
     if option.startswith("tokamax_"):
         impl, unfused = tokamax_variant(option)
         if unfused:

@@ -16,15 +16,16 @@ inputs, f32 accumulation, the hidden activation rounded to bf16). The MoE layer'
   over the live rows only (its Pallas Mosaic GPU kernel on Hopper; tokamax falls back to XLA's
   ragged_dot where it has no kernel, e.g. on CPU). SiLU is fused into the first GEMM's
   epilogue where tokamax can. Output rows past sum(group_sizes) are not written (undefined);
-  combine never reads them.
+  combine never reads them. Its backward is grouped_vjp's (tokamax's kernels for d x, XLA's
+  batched GEMM over a window of rows per expert for the weights).
 - "masked": the padded layout with rows >= expert_num_tokens[e] skipped. Not a kernel of its
   own: the live rows are gathered into a packed view (api.pack_rows), run through tokamax's
   grouped GEMM (jax.lax.ragged_dot when tokamax is not installed) and scattered back
   (api.unpack_rows). Padded in, padded out (zero past the counts): the FLOPs of the live rows
   plus one gather and one scatter of them.
-- "auto": the fastest measured option on the platform: GPU_AUTO on a GPU (filled in from
-  benchmarks/bench_gemm.py on the H200; "einsum" when it needs tokamax and tokamax does not
-  import), CPU_AUTO elsewhere.
+- "auto": the fastest measured option on the platform and layout: GPU_AUTO on a GPU ("tokamax"
+  on packed rows, "einsum" on padded ones; "einsum" when tokamax does not import), CPU_AUTO
+  elsewhere.
 
 Every option takes either layout: the padded [L, R, H] or the packed [T, H] (its rank tells).
 An option run on the other layout converts (a gather of the live rows and a scatter back), so
@@ -39,16 +40,18 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from . import grouped_vjp
 from .api import pack_rows, unpack_rows
 
 OPTIONS = ("auto", "einsum", "ragged_dot", "tokamax", "masked")
-# What "auto" runs on a GPU: the fastest option that benchmarks/bench_gemm.py measured correct on
-# the H200 (change it here). Measured 2026-12-04 (benchmarks/results/2026-12-04-47ffc9f-loop/
-# gemm.md, tokamax 0.0.17, jax 0.11.2): tokamax was fastest forward at R1 1 and 128 tokens but
-# wrong at 128 tokens per rank (relative error 0.52 at V2-Lite and R1) and its VJP refused
-# shard_map's varying manual axes, so the layer cannot use it yet; ragged_dot is 1.1-7x slower
-# than the padded einsum. "einsum" until a grouped GEMM passes both checks there.
-GPU_AUTO = "einsum"
+# What "auto" runs on a GPU, per layout: the fastest option that benchmarks/bench_layer.py and
+# bench_gemm.py measured right on the H200 (change it here). Measured 2026-12-05
+# (benchmarks/results/2026-12-05-47804d0-layer/, tokamax 0.0.17, jax 0.11.2): the layer step on
+# packed rows with tokamax is 1.3-6x faster than the padded einsum at 128 tokens and at 1 token
+# at R1 (it skips experts with no rows); tokamax's forward is right everywhere, its own weight
+# gradients were not, so "tokamax" differentiates through grouped_vjp. The padded layout keeps
+# the batched einsum (cuBLAS; fastest there with an expert_capacity).
+GPU_AUTO = {"packed": "tokamax", "padded": "einsum"}
 # XLA:CPU expands ragged_dot densely (L x the FLOPs) and tokamax has no CPU kernel: the padded
 # einsum computes min(k, L) x fewer rows there.
 CPU_AUTO = "einsum"
@@ -114,17 +117,18 @@ def _require_tokamax():
     return tk
 
 
-def resolve(option: str = "auto", platform: str | None = None) -> str:
-    """The option "auto" stands for on `platform` (default: jax.default_backend()); any other
-    option unchanged."""
+def resolve(option: str = "auto", platform: str | None = None, layout: str = "packed") -> str:
+    """The option "auto" stands for on `platform` (default: jax.default_backend()) for a
+    handle of `layout` ("packed" or "padded"); any other option unchanged."""
     check_option(option)
     if option != "auto":
         return option
     platform = platform or jax.default_backend()
     if platform in ("gpu", "cuda", "rocm"):
-        if GPU_AUTO in NEEDS_TOKAMAX and tokamax_problem() is not None:
+        choice = GPU_AUTO[layout]
+        if choice in NEEDS_TOKAMAX and tokamax_problem() is not None:
             return "einsum"
-        return GPU_AUTO
+        return choice
     return CPU_AUTO
 
 
@@ -146,17 +150,27 @@ def ragged_dot_mlp(x, group_sizes, w_in, w_out, out_dtype=f32):
     return y.astype(out_dtype)
 
 
-def tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype=f32, implementation=None):
-    """"tokamax": packed x [T, H] -> [T, H] through tokamax.ragged_dot; rows past
-    sum(group_sizes) are undefined. implementation: tokamax's (None: its own choice)."""
+@functools.cache
+def _tokamax_dot(implementation=None):
+    """tokamax.ragged_dot_general in the signature grouped_vjp takes."""
     tk = _require_tokamax()
-    gs = group_sizes.astype(jnp.int32)
+    kw = {} if implementation is None else {"implementation": implementation}
+
+    def dot(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, preferred_element_type=None):
+        return tk.ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers,
+                                     preferred_element_type=preferred_element_type, **kw)
+    return dot
+
+
+def _tokamax_forward(x, group_sizes, w_in, w_out, out_dtype, implementation=None):
+    """The forward on tokamax's kernels, SiLU fused into the first GEMM's epilogue (in f32 on
+    the accumulator, then bf16: what einsum_mlp does)."""
+    tk = _require_tokamax()
     kw = {} if implementation is None else {"implementation": implementation}
     try:
-        # SiLU in f32 on the accumulator, then bf16: what einsum_mlp does, fused where it can.
-        h = tk.ragged_dot(x, w_in, gs, preferred_element_type=bf16, activation=jax.nn.silu,
-                          **kw)
-        return tk.ragged_dot(h, w_out, gs, preferred_element_type=out_dtype, **kw)
+        h = tk.ragged_dot(x, w_in, group_sizes, preferred_element_type=bf16,
+                          activation=jax.nn.silu, **kw)
+        return tk.ragged_dot(h, w_out, group_sizes, preferred_element_type=out_dtype, **kw)
     except Exception as e:  # NotImplementedError, or an ExceptionGroup of them
         if not isinstance(e, NotImplementedError) and type(e).__name__ != "ExceptionGroup":
             raise
@@ -164,6 +178,32 @@ def tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype=f32, implementation=None)
             f"tokamax has no ragged_dot for x {x.dtype}{list(x.shape)}, w "
             f"{w_in.dtype}{list(w_in.shape)} on {jax.default_backend()} ({e}): pick "
             "expert_gemm='einsum' or 'ragged_dot'") from e
+
+
+@functools.cache
+def _tokamax_primal(implementation=None):
+    return functools.partial(_tokamax_forward, implementation=implementation)
+
+
+def grad_window_for(rows: int, num_local_experts: int) -> int:
+    """The weight gradients' rows per expert (grouped_vjp) when the caller names none: twice
+    an even share of the packed rows, a multiple of 8, at most all of them."""
+    even = -(-rows // max(num_local_experts, 1))
+    return min(rows, max(8, -(-2 * even // 8) * 8))
+
+
+def tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype=f32, implementation=None,
+                grad_window: int | None = None, wgrad: str = "windows"):
+    """"tokamax": packed x [T, H] -> [T, H] through tokamax's grouped GEMM; rows past
+    sum(group_sizes) are undefined. implementation: tokamax's (None: its own choice).
+    Differentiable through grouped_vjp (not tokamax's own VJP, whose weight gradients were
+    wrong on the H200): grad_window rows per expert in the weight gradients' batched GEMM
+    (default grad_window_for), wgrad: grouped_vjp.WGRAD."""
+    window = grad_window or grad_window_for(x.shape[0], w_in.shape[0])
+    primal = _tokamax_primal(implementation)
+    return grouped_vjp.grouped_mlp(x, group_sizes.astype(jnp.int32), w_in, w_out,
+                                   jnp.dtype(out_dtype), _tokamax_dot(implementation), primal,
+                                   int(window), wgrad)
 
 
 def _grouped_mlp(x, group_sizes, w_in, w_out, out_dtype):
@@ -194,7 +234,8 @@ def _via_packed(fn, x, counts, w_in, w_out, out_dtype, total_rows):
 
 # -- the layer's entry point -----------------------------------------------------------------
 def expert_mlp(x, counts, w_in, w_out, option: str = "auto", *, out_dtype=f32,
-               rows_per_expert: int | None = None, total_rows: int | None = None):
+               rows_per_expert: int | None = None, total_rows: int | None = None,
+               grad_window: int | None = None):
     """This rank's experts on dispatch's rows, in x's layout, through `option` (OPTIONS).
 
     x: padded [L, P, H] (P rows per expert: the handle's expert_capacity; row r of expert e
@@ -203,9 +244,10 @@ def expert_mlp(x, counts, w_in, w_out, option: str = "auto", *, out_dtype=f32,
     out_dtype; only the live rows are defined.
     rows_per_expert (packed x: the most rows one expert can hold, min(T, max_recv_tokens))
     and total_rows (padded x: the most live rows in all, min(L*P, max_recv_total)) size the
-    other layout when the option converts (defaults: T, and L*P).
+    other layout when the option converts (defaults: T, and L*P). grad_window: rows per expert
+    of "tokamax"'s weight-gradient GEMM (grouped_vjp; e.g. MoEConfig.rows_per_expert_for(2)).
     """
-    option = resolve(option)
+    option = resolve(option, layout="padded" if x.ndim == 3 else "packed")
     packed_fn = _grouped_mlp if option == "masked" else _PACKED_FNS.get(option)
     if x.ndim == 3:  # padded
         if option == "einsum":
@@ -214,6 +256,8 @@ def expert_mlp(x, counts, w_in, w_out, option: str = "auto", *, out_dtype=f32,
     if option == "einsum":  # packed rows through the padded einsum, and back
         padded = unpack_rows(x, counts, rows_per_expert or x.shape[0])
         return pack_rows(einsum_mlp(padded, w_in, w_out, out_dtype), counts, x.shape[0])
+    if option == "tokamax":
+        return tokamax_mlp(x, counts, w_in, w_out, out_dtype, grad_window=grad_window)
     return packed_fn(x, counts, w_in, w_out, out_dtype)  # "masked" on packed rows: no gather
 
 

@@ -123,7 +123,8 @@ def experts_forward(a2a: AllToAll, params, out, expert_gemm: str = "auto"):
         rows_per_expert = min(total_rows, cfg.max_recv_tokens)
     return gemm.expert_mlp(ex, out.expert_num_tokens, params["w_in"], params["w_out"],
                            expert_gemm, out_dtype=cfg.combine_dtype,
-                           rows_per_expert=rows_per_expert, total_rows=total_rows)
+                           rows_per_expert=rows_per_expert, total_rows=total_rows,
+                           grad_window=min(rows_per_expert, cfg.rows_per_expert_for(2.0)))
 
 
 def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens, drop=None,

@@ -62,7 +62,9 @@ for s in $STEPS; do
   suite) step $s 200 "${E[@]}" $(L $n 190) $PY "$ROOT/tests/gpu_worker.py" --quick --steps 20 ;;
   server) step $s 200 "${E[@]}" $(L $n 190) $PY "$ROOT/tests/gpu_server_worker.py" ;;
   protocol) step $s 200 "${E[@]}" $(L $n 190) $PY "$ROOT/tests/gpu_protocol_worker.py" --quick ;;
-  grad) step $s 300 "${E[@]}" $(L $n 290) $PY "$ROOT/tests/gpu_grad_worker.py" --quick ;;
+  grad) tokamax_site  # packed layers run tokamax's GEMM (grouped_vjp's backward) where it imports
+    step $s 300 "${E[@]}" PYTHONPATH="$TK_SITE${PYTHONPATH:+:$PYTHONPATH}" $(L $n 290) $PY \
+      "$ROOT/tests/gpu_grad_worker.py" --quick ;;
   soak)  # 10^6 cycles at 2 ranks (~50 s); fewer where ranks share the GPU more
     if [ "$n" -le 2 ]; then soak_args=${SOAK_ARGS:-}; else soak_args=${SOAK8_ARGS:---cycles 200000}; fi
     step $s 300 "${E[@]}" $(L $n 290) $PY "$ROOT/tests/gpu_soak_worker.py" $soak_args ;;
@@ -92,7 +94,7 @@ for s in $STEPS; do
     gb=$(( $(left) - 30 )); [ "$gb" -gt "${GEMM_BUDGET:-150}" ] && gb=${GEMM_BUDGET:-150}
     step $s $(( gb + 40 )) "${E[@]}" PYTHONPATH="$TK_SITE${PYTHONPATH:+:$PYTHONPATH}" \
       $PY "$ROOT/benchmarks/bench_gemm.py" --configs V2Lite,R1 --tokens ${GEMM_TOKENS:-128,16,1} \
-      --options ${GEMM_OPTIONS:-einsum,tokamax,tokamax_unfused,tokamax_xla,tokamax_triton} \
+      --options ${GEMM_OPTIONS:-einsum,tokamax,tokamax_kernelwgrad,tokamax_ownvjp} \
       --budget-s $gb --out "$OUT" ${GEMM_ARGS:-} ;;
   *) echo "-- unknown step $s" | tee -a "$OUT/summary.txt" ;;
   esac

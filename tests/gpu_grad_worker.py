@@ -18,7 +18,9 @@ and against the dense layer computed on its own device. Cases:
   layer   every gradient of the MoE layer (router, experts, shared expert, input) within bf16
           tolerance of the dense layer's; stacked layers under jax.checkpoint interleave the
           forward recomputation with other layers' backward all-to-alls (or, with the
-          CHECKPOINT_NAME policy, recompute none)
+          CHECKPOINT_NAME policy, recompute none); on packed rows "auto" is tokamax's grouped
+          GEMM where tokamax imports (differentiated through grouped_vjp), and two cases force it
+          at ~128 rows per expert
   train   --steps Adam steps (replicated gradients summed by DispatchSum): the loss goes down,
           replicated parameters stay bit-identical on every rank
 Prints one `PASS name` / `FAIL name: why` line per case on rank 0 and exits non-zero if any
@@ -40,7 +42,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_moe_comm import AllToAll, MoEConfig, bootstrap, testing as T, train  # noqa: E402
+from jax_moe_comm import AllToAll, MoEConfig, bootstrap, expert_gemm, testing as T, train  # noqa: E402,E501
 from jax_moe_comm.moe import MoELayerConfig, init_params  # noqa: E402
 
 bf16, fp8, f32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
@@ -69,6 +71,17 @@ def layer_cases():
            ("3-layers-remat-saving-a2a", MoELayerConfig(**base), 0.1, 3, "save_a2a")]
     if WORLD % 2 == 0:  # parameter gradients only: d x is split between the DP partners
         out.append(("dp2", MoELayerConfig(**base, dp_size=2), 0.1, 1, False))
+    # tokamax's grouped GEMM differentiated through grouped_vjp (its own VJP gave weight
+    # gradients 0.5 wrong past 128 rows): groups of ~128 rows per expert, the regime it failed
+    big = dict(num_experts=2 * WORLD, experts_per_token=4, hidden=256, ffn=512,
+               max_num_tokens=64)
+    if expert_gemm.tokamax_problem() is None:
+        out += [("tokamax-128-rows-packed", MoELayerConfig(**big, expert_gemm="tokamax"), 0.0,
+                 1, False),
+                ("tokamax-dropped-slots-3-layers-remat-packed",
+                 MoELayerConfig(**big, expert_gemm="tokamax"), 0.1, 3, True)]
+    else:
+        log(f"no tokamax cases: {expert_gemm.tokamax_problem()}")
     return out
 
 

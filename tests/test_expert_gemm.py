@@ -117,6 +117,41 @@ def test_option_matches_einsum_forward_and_gradients(option, layout, reference):
         "an empty expert got a gradient"
 
 
+class StandInTokamax:
+    """tokamax's two entry points on XLA's ragged_dot, rows past sum(group_sizes) written NaN
+    (tokamax leaves them undefined): runs expert_gemm's "tokamax" wiring (the fused forward,
+    grouped_vjp's backward through tokamax.ragged_dot_general) on CPU, where tokamax does not
+    install. The real kernels run in benchmarks/bench_gemm.py and the layer on the GPU."""
+
+    @staticmethod
+    def _undefined_past_live(out, group_sizes):
+        live = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)
+        return jnp.where(live.reshape((-1,) + (1,) * (out.ndim - 1)), out, jnp.nan)
+
+    def ragged_dot(self, x, w, group_sizes, preferred_element_type=None, activation=None):
+        out = jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+        out = activation(out) if activation is not None else out
+        out = out.astype(preferred_element_type or out.dtype)
+        return self._undefined_past_live(out, group_sizes)
+
+    def ragged_dot_general(self, lhs, rhs, group_sizes, dims, preferred_element_type=None):
+        out = jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims,
+                                         preferred_element_type=preferred_element_type)
+        if dims.dot_dimension_numbers[0][0] == [0]:  # contracting the rows: [L, K, N]
+            return out
+        return self._undefined_past_live(out, group_sizes)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_tokamax_wiring_on_a_stand_in(layout, reference, monkeypatch):
+    monkeypatch.setattr(expert_gemm, "_tokamax", lambda: (StandInTokamax(), None))
+    expert_gemm._tokamax_dot.cache_clear()
+    try:
+        test_option_matches_einsum_forward_and_gradients("tokamax", layout, reference)
+    finally:
+        expert_gemm._tokamax_dot.cache_clear()
+
+
 def test_bad_option_names_raise_listing_the_choices():
     for bad in ("cublas", "", "Tokamax"):
         with pytest.raises(ValueError, match="expected one of .*'einsum'.*'tokamax'.*'masked'"):
@@ -128,15 +163,16 @@ def test_bad_option_names_raise_listing_the_choices():
                                jnp.zeros((1, 4, 4)), jnp.zeros((1, 4, 4)), "ragged")
 
 
-def test_auto_is_one_measured_option_per_platform():
-    assert expert_gemm.GPU_AUTO in OPTIONS and expert_gemm.CPU_AUTO in OPTIONS
+def test_auto_is_one_measured_option_per_platform_and_layout():
+    assert set(expert_gemm.GPU_AUTO) == {"packed", "padded"}
+    assert set(expert_gemm.GPU_AUTO.values()) <= set(OPTIONS) and expert_gemm.CPU_AUTO in OPTIONS
     assert MoELayerConfig().expert_gemm == "auto"
-    assert expert_gemm.resolve("auto", "cpu") == expert_gemm.CPU_AUTO == "einsum"
-    gpu = expert_gemm.resolve("auto", "gpu")
-    if expert_gemm.GPU_AUTO in expert_gemm.NEEDS_TOKAMAX and TOKAMAX is not None:
-        assert gpu == "einsum"
-    else:
-        assert gpu == expert_gemm.GPU_AUTO
+    for layout in ("packed", "padded"):
+        assert expert_gemm.resolve("auto", "cpu", layout) == expert_gemm.CPU_AUTO == "einsum"
+        gpu = expert_gemm.resolve("auto", "gpu", layout)
+        want = expert_gemm.GPU_AUTO[layout]
+        assert gpu == ("einsum" if want in expert_gemm.NEEDS_TOKAMAX and TOKAMAX else want)
+        assert expert_gemm.NATIVE_LAYOUT[want] == layout, "auto must not convert layouts"
     assert expert_gemm.resolve("ragged_dot", "gpu") == "ragged_dot"
 
 
@@ -145,9 +181,8 @@ def test_tokamax_missing_says_how_to_install(monkeypatch):
     x, w_in, w_out, g, live = padded_data()
     with pytest.raises(ImportError, match="pip install tokamax"):
         expert_gemm.expert_mlp(to_packed(x, live), jnp.asarray(COUNTS), w_in, w_out, "tokamax")
-    assert expert_gemm.resolve("auto", "gpu") == ("einsum" if expert_gemm.GPU_AUTO in
-                                                  expert_gemm.NEEDS_TOKAMAX
-                                                  else expert_gemm.GPU_AUTO)
+    for layout in ("packed", "padded"):  # auto falls back to the einsum, never fails
+        assert expert_gemm.resolve("auto", "gpu", layout) == "einsum"
     assert expert_gemm.masked_inner() == "ragged_dot"  # "masked" still runs, on XLA's GEMM
 
 
