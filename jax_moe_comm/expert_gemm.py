@@ -150,6 +150,24 @@ def ragged_dot_mlp(x, group_sizes, w_in, w_out, out_dtype=f32):
     return y.astype(out_dtype)
 
 
+def _varying_axes(x) -> set:
+    """The shard_map manual axes x's type varies over (empty outside shard_map)."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)  # jax >= 0.10; older: .vma
+    return set(mat.varying) if mat is not None else set(getattr(t, "vma", ()))
+
+
+def _vary_like(out, *inputs):
+    """out typed as varying over every manual axis its inputs vary over. tokamax's Pallas
+    kernels return outputs typed invariant under shard_map (seen on the H200, jax 0.11.2):
+    a custom VJP then refuses the varying cotangent of such an output."""
+    axes = tuple(sorted(set().union(*map(_varying_axes, inputs)) - _varying_axes(out)))
+    if not axes:
+        return out
+    pcast = getattr(jax.lax, "pcast", None)
+    return pcast(out, axes, to="varying") if pcast else jax.lax.pvary(out, axes)
+
+
 @functools.cache
 def _tokamax_dot(implementation=None):
     """tokamax.ragged_dot_general in the signature grouped_vjp takes."""
@@ -157,8 +175,9 @@ def _tokamax_dot(implementation=None):
     kw = {} if implementation is None else {"implementation": implementation}
 
     def dot(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, preferred_element_type=None):
-        return tk.ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers,
-                                     preferred_element_type=preferred_element_type, **kw)
+        out = tk.ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers,
+                                    preferred_element_type=preferred_element_type, **kw)
+        return _vary_like(out, lhs, rhs)
     return dot
 
 
@@ -170,7 +189,9 @@ def _tokamax_forward(x, group_sizes, w_in, w_out, out_dtype, implementation=None
     try:
         h = tk.ragged_dot(x, w_in, group_sizes, preferred_element_type=bf16,
                           activation=jax.nn.silu, **kw)
-        return tk.ragged_dot(h, w_out, group_sizes, preferred_element_type=out_dtype, **kw)
+        y = tk.ragged_dot(_vary_like(h, x, w_in), w_out, group_sizes,
+                          preferred_element_type=out_dtype, **kw)
+        return _vary_like(y, x, w_in, w_out)
     except Exception as e:  # NotImplementedError, or an ExceptionGroup of them
         if not isinstance(e, NotImplementedError) and type(e).__name__ != "ExceptionGroup":
             raise

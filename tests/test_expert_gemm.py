@@ -219,3 +219,22 @@ def test_layer_gradients_match_the_einsum_option(option, layout, einsum_layer):
         for name, g in grads[rank].items():
             close(f"rank {rank} d {name}", g, want[rank][name])
         close(f"rank {rank} d x", dx[rank], want_dx[rank])
+
+
+def test_vary_like_types_an_invariant_kernel_output_as_its_inputs():
+    """tokamax's Pallas outputs come back typed invariant under shard_map; _vary_like gives them
+    their inputs' varying axes (else the layer's custom VJPs refuse the cotangents)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("ep",))
+    seen = {}
+
+    def body(x):
+        kernel_out = jnp.ones(x.shape, x.dtype)  # invariant, as a Pallas call returns it
+        seen["before"] = expert_gemm._varying_axes(kernel_out)
+        out = expert_gemm._vary_like(kernel_out, x)
+        seen["after"] = expert_gemm._varying_axes(out)
+        return out * x
+
+    spec = jax.sharding.PartitionSpec("ep")
+    y = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(jnp.arange(4.0))
+    assert seen == {"before": set(), "after": {"ep"}}
+    assert np.array_equal(np.asarray(y), np.arange(4.0))
