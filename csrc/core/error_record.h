@@ -37,6 +37,7 @@ enum What : uint32_t {
   kWhatRow = 4,        // an expert row: the row index, its source, or its flag
   kWhatEpoch = 5,      // a flag carrying another cycle's epoch
   kWhatExpertCount = 6,  // expert_num_tokens handed to combine
+  kWhatRowCount = 7,     // a staged sender's count of the rows it put for us (combine)
 };
 
 struct ErrorRecord {
