@@ -212,6 +212,10 @@ std::string validate_shape(const Shape& s) {
   // Shared-memory prefixes: [G + 1] in dispatch_recv, [L + 1] in combine_send.
   if (s.num_dp_groups() > 8192 || s.num_local_experts() > 8192)
     return "num_dp_groups and num_experts / world_size must be <= 8192";
+  if (s.packed_rows < 0 || s.packed_rows > s.max_recv_rows())
+    return "packed_rows (max_recv_rows) must be in [1, " + std::to_string(s.max_recv_rows()) +
+           "], or 0 for the padded layout";
+  if (s.drop_overflow != 0 && s.drop_overflow != 1) return "drop_overflow must be 0 or 1";
   return "";
 }
 
@@ -424,9 +428,10 @@ const char* what_name(uint32_t what) {
 }
 
 const char* code_name(uint32_t code) {
-  static const char* kCodes[] = {"Ok",          "PeerTimeout", "InvalidRouting", "InvalidRouting",
-                                 "CorruptData", "PeerAborted", "ProtocolError",  "ProtocolError"};
-  return code < 8 ? kCodes[code] : "Unknown";
+  static const char* kCodes[] = {"Ok",          "PeerTimeout",   "InvalidRouting",
+                                 "InvalidRouting", "CorruptData", "PeerAborted",
+                                 "ProtocolError",  "ProtocolError", "CapacityExceeded"};
+  return code < 9 ? kCodes[code] : "Unknown";
 }
 
 // What a kOutOfOrder launch broke, by the phase it was refused in.
@@ -448,24 +453,24 @@ std::string out_of_order_reason(uint32_t phase) {
 // record has none. Cycles count from 1 per half; a rank's latest start is its started mark
 // with the highest (cycle, kernel order).
 std::string peer_state(const ErrorRecord& rec) {
-  if (rec.needed_kernel == 0 || rec.needed_kernel > kNumKernels) return "";
-  const int needed = static_cast<int>(rec.needed_kernel) - 1;
-  const uint64_t cycle = rec.needed_cycle;
+  if (rec.view.needed_kernel == 0 || rec.view.needed_kernel > kNumKernels) return "";
+  const int needed = static_cast<int>(rec.view.needed_kernel) - 1;
+  const uint64_t cycle = rec.view.needed_cycle;
   const std::string peer = "rank " + std::to_string(rec.peer);
   const std::string kernel = phase_name(needed + 1);  // phases number the kernels from 1
   int latest = 0;
   for (int k = 1; k < kNumKernels; ++k)
-    if (rec.peer_started[k] >= rec.peer_started[latest]) latest = k;
+    if (rec.view.started[k] >= rec.view.started[latest]) latest = k;
   const std::string latest_start =
-      rec.peer_started[latest] == 0
+      rec.view.started[latest] == 0
           ? "it started no kernel on this handle since its creation or recover()"
           : std::string("its latest start: ") + phase_name(latest + 1) + " of cycle " +
-                std::to_string(rec.peer_started[latest]);
-  if (rec.peer_started[needed] >= cycle)
+                std::to_string(rec.view.started[latest]);
+  if (rec.view.started[needed] >= cycle)
     return ". " + peer + " had started its " + kernel + " of cycle " + std::to_string(cycle) +
            " and not delivered: it stalled inside it (waiting on another rank, or its GPU or "
            "process hangs)";
-  if (rec.peer_started[latest] >= cycle)
+  if (rec.view.started[latest] >= cycle)
     return ". " + peer + " is mid-cycle: it has not started its " + kernel + " of cycle " +
            std::to_string(cycle) + " (" + latest_start +
            "): it is held up between ops (host work or a host pause between them)";
@@ -510,6 +515,14 @@ std::string describe_error(const ErrorRecord& rec, int rank) {
       return "ProtocolError: " + where + "a launch on handle after close() (a compiled step "
              "replayed a recorded launch); it did nothing, and the step's outputs on this rank "
              "are not data (y is NaN)";
+    case kCapacityExceeded:
+      return "CapacityExceeded: " + where + std::to_string(rec.seen) +
+             " expert rows arrived this cycle, more than max_recv_rows=" +
+             std::to_string(rec.expected) + "; the " + std::to_string(rec.seen - rec.expected) +
+             " rows past it were not written and the handle stopped (overflow='fail'; "
+             "recover() restarts it). Raise max_recv_rows (MoEConfig.recv_rows_for with a larger "
+             "capacity factor), or create the handle with overflow='drop' to drop such rows "
+             "and go on";
     case kOutOfOrder:
       return "ProtocolError: " + where + out_of_order_reason(rec.phase) + " (sends completed " +
              std::to_string(rec.expected) + ", receives completed " + std::to_string(rec.seen) +

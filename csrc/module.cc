@@ -91,8 +91,10 @@ NB_MODULE(_native, m) {
       "create_handle",
       [](int num_experts, int k, int hidden, int max_m, int world, int dp, int in_bytes,
          int num_scales, int out_bytes, uint64_t timeout_ns, int num_blocks, int warps,
-         bool staged, int staged_node_size, uint64_t start_epoch) {
-        jmc::Shape s{num_experts, k, hidden, max_m, world, dp, in_bytes, num_scales, out_bytes};
+         bool staged, int staged_node_size, uint64_t start_epoch, int packed_rows,
+         bool drop_overflow) {
+        jmc::Shape s{num_experts, k, hidden, max_m, world, dp, in_bytes, num_scales, out_bytes,
+                     packed_rows, drop_overflow ? 1 : 0};
         int64_t id = 0;
         // (id, "") on success; (id, why) when this rank's part failed after the collective
         // step (the caller destroys it on every rank); (0, why) for a bad shape.
@@ -103,7 +105,8 @@ NB_MODULE(_native, m) {
       nb::arg("num_experts"), nb::arg("k"), nb::arg("hidden"), nb::arg("max_m"),
       nb::arg("world"), nb::arg("dp"), nb::arg("in_bytes"), nb::arg("num_scales"),
       nb::arg("out_bytes"), nb::arg("timeout_ns"), nb::arg("num_blocks"), nb::arg("warps"),
-      nb::arg("staged"), nb::arg("staged_node_size") = 0, nb::arg("start_epoch") = 0);
+      nb::arg("staged"), nb::arg("staged_node_size") = 0, nb::arg("start_epoch") = 0,
+      nb::arg("packed_rows") = 0, nb::arg("drop_overflow") = false);
   m.def("destroy_handle", [](int64_t id) { raise_if(jmc::destroy_handle(id)); });
   // Collective: back to a clean cycle 1 after an error (handle.h).
   m.def("recover_handle", [](int64_t id) { raise_if(jmc::recover_handle(id)); });
@@ -136,6 +139,14 @@ NB_MODULE(_native, m) {
     return std::vector<uint64_t>(state.staged_messages, state.staged_messages + jmc::kNumKernels);
   });
   m.def("dependent_launch", [](int64_t id) { return handle(id)->dependent_launch; });
+  // Rows dropped past the packed capacity since creation or recover() (overflow "drop"):
+  // waits for the device, then reads the pinned error record.
+  m.def("dropped_rows", [](int64_t id) {
+    auto h = handle(id);
+    sync_device();
+    return static_cast<uint64_t>(
+        *reinterpret_cast<volatile uint64_t*>(&h->error_host->dropped_rows));
+  });
   // The first recorded kernel error ("" if none). Reads pinned memory: no device sync.
   m.def("handle_error", [](int64_t id) {
     auto h = handle(id);
@@ -153,9 +164,9 @@ NB_MODULE(_native, m) {
     rec.token = -1;
     rec.expected = expected;
     rec.what = what;
-    rec.needed_kernel = needed_kernel;
-    rec.needed_cycle = needed_cycle;
-    for (size_t i = 0; i < 4 && i < started.size(); ++i) rec.peer_started[i] = started[i];
+    rec.view.needed_kernel = needed_kernel;
+    rec.view.needed_cycle = needed_cycle;
+    for (size_t i = 0; i < 4 && i < started.size(); ++i) rec.view.started[i] = started[i];
     return jmc::describe_error(rec, rank);
   });
   m.def("check_handle", [](int64_t id) {

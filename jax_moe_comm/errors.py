@@ -31,6 +31,11 @@ class ProtocolError(MoECommError):
     it and create a new one)."""
 
 
+class CapacityExceededError(MoECommError):
+    """More expert rows reached a rank than the packed layout's max_recv_rows, with
+    overflow="fail": the rows past it were not written and the handle stopped until recover()."""
+
+
 class NativeUnavailableError(MoECommError):
     """The CUDA backend was asked for but cannot run here (not built, no GPU, wrong NVSHMEM)."""
 

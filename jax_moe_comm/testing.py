@@ -156,6 +156,19 @@ def expert_outputs(cfg: MoEConfig, rank, expert_x, expert_x_scale, group_sizes=N
     return (c_row[:, None] * xf).astype(cfg.combine_dtype)
 
 
+def combine_wrong(cfg: MoEConfig, y, x, ids, w, nt) -> jax.Array:
+    """In JAX, for checks inside a jitted loop: int32 1 if one rank's y [m, H] differs from
+    sum_j w[t, j] * bf16(c_e * x[t]) (the test experts, f32 sum, zero past nt) by more than
+    2 % + 0.05 anywhere, else 0."""
+    c = jnp.asarray(expert_factor(cfg), jnp.float32)[jnp.clip(ids, 0)]  # [m, k]
+    rows = (c[:, :, None] * x.astype(jnp.float32)[:, None, :]).astype(cfg.combine_dtype)
+    want = jnp.sum(jnp.where(ids[:, :, None] >= 0, w[:, :, None] * rows.astype(jnp.float32),
+                             0.0), axis=1)
+    want = jnp.where(jnp.arange(cfg.max_num_tokens)[:, None] < nt, want, 0.0)
+    wrong = jnp.abs(y.astype(jnp.float32) - want) > 0.02 * jnp.abs(want) + 0.05
+    return jnp.any(wrong).astype(jnp.int32)
+
+
 def expected_y(cfg: MoEConfig, inp: Inputs, rank: int) -> np.ndarray:
     xs = None if inp.x_scale is None else inp.x_scale[rank]
     return combined_oracle(cfg, inp, rank, dequantize(inp.x[rank], xs))

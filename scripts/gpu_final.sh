@@ -33,33 +33,38 @@ bash "$ROOT/scripts/gpu_build.sh" || exit 1
 cd /tmp
 # STEPS picks and orders the steps (default: the list below without the soak and sanitizers).
 STEPS=${STEPS:-suite_n2 server_n2 server_n8 suite_n8 protocol_n4 flax_n8 parity_n2 decode_n8}
-NOCB="env XLA_FLAGS=--xla_gpu_enable_command_buffer="
 SAN="compute-sanitizer --print-limit 20 --tool"
-# A step name may end in @<JMC_TRANSPORT>: suite_n8@staged, protocol_n4@staged:2 (issue 25).
+# A step is <what>_n<ranks>[_nocmdbuf][@<JMC_TRANSPORT>], e.g. suite_n8@staged,
+# server_n8_nocmdbuf, protocol_n4@staged:2 (issue 25): _nocmdbuf turns XLA's command buffers
+# off, @... sets JMC_TRANSPORT for every rank.
 for s in $STEPS; do
-  T=""; [[ $s == *@* ]] && T="env JMC_TRANSPORT=${s#*@}"
-  case ${s%@*} in
-  suite_n2) step $s 200 $T $(L 2 190) $PY "$ROOT/tests/gpu_worker.py" --quick --steps 20 ;;
-  suite_n4) step $s 200 $T $(L 4 190) $PY "$ROOT/tests/gpu_worker.py" --quick --steps 20 ;;
-  suite_n8) step $s 200 $T $(L 8 190) $PY "$ROOT/tests/gpu_worker.py" --quick --steps 20 ;;
-  server_n2|server_n8) step $s 200 $T $(L ${s:8:1} 190) $PY "$ROOT/tests/gpu_server_worker.py" ;;
-  server_n2_nocmdbuf) step $s 200 $NOCB $(L 2 190) $PY "$ROOT/tests/gpu_server_worker.py" ;;
-  server_n8_nocmdbuf) step $s 200 $NOCB $(L 8 190) $PY "$ROOT/tests/gpu_server_worker.py" ;;
-  protocol_n2|protocol_n4|protocol_n8) step $s 200 $T $(L ${s:10:1} 190) $PY "$ROOT/tests/gpu_protocol_worker.py" --quick ;;
-  suite_n2_nocmdbuf) step $s 200 $T $NOCB $(L 2 190) $PY "$ROOT/tests/gpu_worker.py" --quick --steps 10 ;;
-  protocol_n2_nocmdbuf) step $s 200 $T $NOCB $(L 2 190) $PY "$ROOT/tests/gpu_protocol_worker.py" --quick ;;
-  grad_n2) step $s 300 $T $(L 2 290) $PY "$ROOT/tests/gpu_grad_worker.py" --quick ;;
-  soak_n2) step $s 300 $T $(L 2 290) $PY "$ROOT/tests/gpu_soak_worker.py" ${SOAK_ARGS:-} ;;
-  soak_n8) step $s 300 $T $(L 8 290) $PY "$ROOT/tests/gpu_soak_worker.py" ${SOAK8_ARGS:---cycles 200000} ;;
-  memcheck_n2) step $s 240 $T $(L 2 230) $SAN memcheck $PY "$ROOT/tests/gpu_worker.py" --quick --steps 2 ;;
-  racecheck_n2) step $s 240 $T $(L 2 230) $SAN racecheck $PY "$ROOT/tests/gpu_worker.py" --quick --steps 2 ;;
-  loop_n8) step $s 300 $T $(L 8 290) $PY "$ROOT/benchmarks/bench_loop.py" --tokens ${LOOP_TOKENS:-1,16,128} \
-      --calls 0 --timeline 0 --variants graph --out "$OUT/loop_${s/@/_}.json" ;;
-  flax_n8) step $s 240 $(L 8 230) $PY "$ROOT/tests/gpu_flax_worker.py" ${FLAX_ARGS:-} ;;
-  parity_n2) step $s 200 $(L 2 190) $PY "$ROOT/tests/gpu_parity_worker.py" ;;
-  decode_n8) step $s 240 $(L 8 230) $PY "$ROOT/examples/deepseek_decode.py" ${DECODE_ARGS:-} ;;
+  name=${s%@*}; vars=()
+  [[ $s == *@* ]] && vars+=("JMC_TRANSPORT=${s#*@}")
+  if [[ $name == *_nocmdbuf ]]; then
+    vars+=("XLA_FLAGS=--xla_gpu_enable_command_buffer="); name=${name%_nocmdbuf}
+  fi
+  what=${name%_n*}; n=${name##*_n}
+  if ! [[ $n =~ ^[0-9]+$ ]]; then echo "-- unknown step $s" | tee -a "$OUT/summary.txt"; continue; fi
+  E=(env "${vars[@]}")
+  case $what in
+  suite) step $s 200 "${E[@]}" $(L $n 190) $PY "$ROOT/tests/gpu_worker.py" --quick --steps 20 ;;
+  server) step $s 200 "${E[@]}" $(L $n 190) $PY "$ROOT/tests/gpu_server_worker.py" ;;
+  protocol) step $s 200 "${E[@]}" $(L $n 190) $PY "$ROOT/tests/gpu_protocol_worker.py" --quick ;;
+  grad) step $s 300 "${E[@]}" $(L $n 290) $PY "$ROOT/tests/gpu_grad_worker.py" --quick ;;
+  soak)  # 10^6 cycles at 2 ranks (~50 s); fewer where ranks share the GPU more
+    if [ "$n" -le 2 ]; then soak_args=${SOAK_ARGS:-}; else soak_args=${SOAK8_ARGS:---cycles 200000}; fi
+    step $s 300 "${E[@]}" $(L $n 290) $PY "$ROOT/tests/gpu_soak_worker.py" $soak_args ;;
+  memcheck|racecheck) step $s 240 "${E[@]}" $(L $n 230) $SAN $what $PY "$ROOT/tests/gpu_worker.py" \
+      --quick --steps 2 ;;
+  loop) step $s 300 "${E[@]}" $(L $n 290) $PY "$ROOT/benchmarks/bench_loop.py" \
+      --tokens ${LOOP_TOKENS:-1,16,128} --calls 0 --timeline 0 --variants graph \
+      --out "$OUT/${s//[@:]/_}.json" ;;
+  flax) step $s 240 "${E[@]}" $(L $n 230) $PY "$ROOT/tests/gpu_flax_worker.py" ${FLAX_ARGS:-} ;;
+  parity) step $s 200 "${E[@]}" $(L $n 190) $PY "$ROOT/tests/gpu_parity_worker.py" ;;
+  decode) step $s 240 "${E[@]}" $(L $n 230) $PY "$ROOT/examples/deepseek_decode.py" ${DECODE_ARGS:-} ;;
   *) echo "-- unknown step $s" | tee -a "$OUT/summary.txt" ;;
-esac; done
+  esac
+done
 cd "$ROOT"
 if [ -n "${LOOP:-}" ] && [ $(( BUDGET - $(date +%s) + START )) -gt 60 ]; then
   TOKENS=${LOOP} bash scripts/gpu_loop.sh > "$LOGS/loop.log" 2>&1

@@ -10,7 +10,8 @@ computations each rank can do alone, and training steps.
 The reference backend cannot run here with several ranks on one GPU (NCCL refuses), so each
 rank checks its own gradients against the numpy oracle (dispatch/combine with f_e(x) = c_e x)
 and against the dense layer computed on its own device. Cases:
-  ops     d x, d weights of sum <G, combine(c_e * dispatch(x))>, fused and split, four routings
+  ops     d x, d weights of sum <G, combine(c_e * dispatch(x))>, fused and split, four routings,
+          padded and packed layouts (packed: rows the kernels write in place, issue 24)
   layer   every gradient of the MoE layer (router, experts, shared expert, input) within bf16
           tolerance of the dense layer's; stacked layers under jax.checkpoint interleave the
           forward recomputation with other layers' backward all-to-alls (or, with the
@@ -57,6 +58,8 @@ def layer_cases():
     base = dict(num_experts=16, experts_per_token=4, hidden=128, ffn=256, max_num_tokens=8)
     out = [("plain", MoELayerConfig(**base), 0.0, 1, False),
            ("dropped-slots", MoELayerConfig(**base), 0.25, 1, False),
+           ("dropped-slots-packed", MoELayerConfig(**base), 0.25, 1, False),
+           ("3-layers-remat-packed", MoELayerConfig(**base), 0.1, 3, True),
            ("fp8", MoELayerConfig(**{**base, "hidden": 256}, fp8_dispatch=True), 0.1, 1, False),
            ("3-layers", MoELayerConfig(**base), 0.1, 3, False),
            ("3-layers-remat", MoELayerConfig(**base), 0.1, 3, True),
@@ -77,10 +80,12 @@ def main() -> int:
     mesh = T.make_mesh(WORLD)
     log(f"world={WORLD} devices={jax.devices()} backend={args.backend}")
 
-    for name, cfg in op_configs(args.quick):
-        @case(f"EP{WORLD}-ops-{name}")
-        def run_ops(cfg=cfg):
-            with AllToAll(cfg, backend=args.backend, differentiable=True) as a2a:
+    for (name, cfg), layout in ((c, lay) for c in op_configs(args.quick)
+                                for lay in ("padded", "packed")):
+        @case(f"EP{WORLD}-ops-{name}-{layout}")
+        def run_ops(cfg=cfg, layout=layout):
+            with AllToAll(cfg, backend=args.backend, layout=layout,
+                          differentiable=True) as a2a:
                 steps = (T.make_grad_step(a2a, mesh), T.make_grad_step(a2a, mesh, split=True))
                 worst = 0.0
                 for seed, routing in enumerate(("random", "skewed", "duplicates",
@@ -102,7 +107,8 @@ def main() -> int:
         @case(f"EP{WORLD}-layer-{name}")
         def run_layer(cfg=cfg, drop_rate=drop_rate, layers=layers, remat=remat):
             L = cfg.num_experts // WORLD
-            with AllToAll(cfg.comm_config(WORLD), backend=args.backend,
+            layout = "packed" if name.endswith("-packed") else "padded"
+            with AllToAll(cfg.comm_config(WORLD), backend=args.backend, layout=layout,
                           differentiable=True) as a2a:
                 step = T.make_layer_grad_step(a2a, cfg, mesh, layers, remat)
                 worst = 0.0

@@ -9,6 +9,11 @@
 - the MoE layer with ragged_dot on the packed layout against the dense layer and against the
   padded layout's einsum;
 - the Flax module decoding with a different token count per rank each step, compiled once;
+- a packed capacity below the worst case (issue 24): overflow="drop" in a jitted fori_loop of
+  cycles that alternate a routing that overflows rank 0 with one that fits, every cycle's y
+  checked on the device against the dense sum without exactly the dropped slots, the dropped
+  counts exact; overflow="fail" raises CapacityExceededError (PeerAborted elsewhere), and
+  after recover() the same compiled step runs right;
 - --bench: the demo layer's step time, padded einsum vs packed ragged_dot (XLA's default
   lowering, and cuDNN's grouped GEMM through xla_gpu_experimental_use_ragged_dot_fusion).
 
@@ -34,6 +39,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from gpu_harness import Suite, gather_global, run_cycle  # noqa: E402
 from jax_moe_comm import (AllToAll, InvalidRoutingError, MoEConfig, PeerAbortedError,  # noqa: E402
                           testing as T)
+from jax_moe_comm.errors import CapacityExceededError  # noqa: E402
 from jax_moe_comm.moe import (MoELayerConfig, dense_forward, init_params,  # noqa: E402
                               moe_forward)
 
@@ -200,10 +206,134 @@ def main() -> int:
         assert worst <= 0.05, worst
         return f"6 steps, traced once, max|y - dense|={worst:.3g}"
 
+    capacity_cases(mesh)
     if args.bench:
         bench(mesh)
 
     return suite.finish("GPU LAYOUT SUITE")
+
+
+# -- capacity (issue 24) ----------------------------------------------------------------------
+# L >= k, so the "skewed" routing sends every token's k slots to rank 0's experts: rank 0 gets
+# the worst case W * m * k rows, over C = recv_rows_for(1.0) (the mean, m * k here).
+CAP_CFG = dict(num_experts=4 * WORLD, experts_per_token=2, hidden=256, max_num_tokens=8,
+               world_size=WORLD)
+
+
+def capacity_loop(a2a, mesh, cycles: int, split: bool = False):
+    """A jitted fori_loop of `cycles` dispatch/identity-expert/combine cycles, numbered from the
+    call's `start` (an input: one compiled step runs either kind first); even cycles route
+    every slot to rank 0 (overflow), odd ones spread the slots. Slot j weighs 2^-j, so each
+    token's y is x times the weight sum of exactly one subset of its slots: the subset that
+    was not dropped. No collective inside the step (NCCL refuses several ranks on one GPU):
+    each rank finds its tokens' subsets from y itself. Returns per rank the worst
+    |y - expected| over the cycles, the rows it dropped and its slots that were dropped; the
+    host checks that the two totals agree over the ranks. split: the send and recv halves as
+    separate ops (separate kernels on nvshmem), else the fused ones."""
+    cfg = a2a.config
+    m, k, E = cfg.max_num_tokens, cfg.experts_per_token, cfg.num_experts
+    w = 2.0 ** -jnp.arange(k, dtype=f32)
+    weights = jnp.broadcast_to(w, (m, k))
+    kept = (jnp.arange(2 ** k)[:, None] >> jnp.arange(k)[None, :]) & 1  # [subset, slot]
+    subset_sum = kept.astype(f32) @ w  # distinct for every subset
+
+    def body(x0, start):
+        rank = jax.lax.axis_index("ep")
+        tok = jnp.arange(m)[:, None]
+
+        def cycle(i, carry):
+            worst, rows_dropped, slots_dropped = carry
+            # (+ a zero from the previous cycle XLA cannot fold: on XLA:CPU, cycles whose inputs
+            # do not depend on the last one's result get reordered; docs/notes.md)
+            c = start.reshape(()) + i + (rows_dropped >> 30)
+            x = (x0 * (1.0 + 0.25 * c.astype(f32))).astype(bf16)
+            spread = (tok * k + rank * m * k + c + jnp.arange(k)[None, :]) % E
+            indices = jnp.where(c % 2 == 0, jnp.arange(k)[None, :], spread).astype(jnp.int32)
+            if split:
+                out = a2a.dispatch_recv(a2a.dispatch_send(x, indices, m))
+            else:
+                out = a2a.dispatch(x, indices, m)
+            expert_y = out.expert_x.astype(cfg.combine_dtype)  # the identity expert
+            if split:
+                y = a2a.combine_recv(a2a.combine_send(expert_y, out.routing), indices, weights,
+                                     m)
+            else:
+                y = a2a.combine(expert_y, out.routing, indices, weights, m)
+            y = y.astype(f32)
+            xf = x.astype(f32)
+            ratio = jnp.sum(y * xf, axis=1) / jnp.sum(xf * xf, axis=1)
+            subset = jnp.argmin(jnp.abs(ratio[:, None] - subset_sum[None, :]), axis=1)
+            want = (subset_sum[subset][:, None] * xf).astype(bf16).astype(f32)
+            err = jnp.max(jnp.abs(y - want) / (1.0 + jnp.abs(want)))
+            err = jnp.where(jnp.all(jnp.isfinite(y)), err, jnp.inf)
+            lost = k * m - jnp.sum(kept[subset])
+            return (jnp.maximum(worst, err), rows_dropped + out.dropped_rows.reshape(()),
+                    slots_dropped + lost)
+
+        zero = jnp.zeros((), jnp.int32)
+        carry = jax.lax.fori_loop(0, cycles, cycle, (jnp.zeros((), f32), zero, zero))
+        return tuple(v.reshape(1) for v in carry)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"), P("ep")),
+                                 out_specs=(P("ep"),) * 3))
+
+
+def totals(tag, results):
+    """(this rank's worst error, every rank's dropped rows, every rank's dropped slots)."""
+    worst, rows, slots = results
+    return (float(mine(worst, 1)[RANK][0]), gather_global(tag + ":rows", rows),
+            gather_global(tag + ":slots", slots))
+
+
+def capacity_cases(mesh):
+    cfg = MoEConfig(**CAP_CFG)
+    m, k = cfg.max_num_tokens, cfg.experts_per_token
+    C = cfg.recv_rows_for(1.0)
+    over = WORLD * m * k - C  # rank 0's overflow in a skewed cycle
+    rng = np.random.default_rng(5)
+    x0 = put(mesh, rng.standard_normal((WORLD * m, cfg.hidden)).astype(bf16))
+    skewed_first, spread_first = (put(mesh, np.full(WORLD, v, np.int32)) for v in (0, 1))
+
+    @case(f"EP{WORLD}-packed-capacity-drop-in-a-loop")
+    def drop():
+        cycles = 6
+        with AllToAll(cfg, backend=BACKEND, layout="packed", max_recv_rows=C,
+                      overflow="drop") as a2a:
+            for split in (False, True):
+                results = capacity_loop(a2a, mesh, cycles, split)(x0, skewed_first)
+                a2a.check()  # drops are not errors
+                worst, rows, slots = totals(f"cap-drop-{split}", results)
+                want = [over * ((cycles + 1) // 2)] + [0] * (WORLD - 1)
+                assert list(rows) == want, f"dropped rows per rank {list(rows)}, want {want}"
+                assert slots.sum() == rows.sum(), f"slots lost {list(slots)}, rows {list(rows)}"
+                assert worst <= 2e-2, f"rank {RANK}: max rel err {worst} (split={split})"
+            total = a2a.dropped_rows()  # since creation: both loops
+            assert total == 2 * want[RANK], (total, 2 * want[RANK])
+        return f"C={C} of {cfg.max_recv_total}, {over} rows dropped per skewed cycle, err {worst:.3g}"
+
+    @case(f"EP{WORLD}-packed-capacity-fail-then-recover")
+    def fail():
+        with AllToAll(cfg, backend=BACKEND, layout="packed", max_recv_rows=C,
+                      overflow="fail", timeout_s=10.0) as a2a:
+            step = capacity_loop(a2a, mesh, 1)
+            step(x0, skewed_first)  # one skewed cycle: rank 0 overflows
+            try:
+                a2a.check()
+                raised = None
+            except (CapacityExceededError, PeerAbortedError) as e:
+                raised, message = type(e), str(e)
+            want = CapacityExceededError if RANK == 0 else (
+                PeerAbortedError if BACKEND == "nvshmem" else None)
+            assert raised is want, f"rank {RANK}: raised {raised}, expected {want}"
+            if RANK == 0:
+                assert str(WORLD * m * k) in message and str(C) in message, message
+            a2a.recover()
+            results = step(x0, spread_first)  # the same compiled step: a cycle that fits
+            a2a.check()
+            worst, rows, slots = totals("cap-fail", results)
+            assert rows.sum() == 0 and slots.sum() == 0, (list(rows), list(slots))
+            assert worst <= 2e-2, f"rank {RANK}: err {worst}"
+        return f"raised {want.__name__ if want else 'nothing'} here, then recovered: err {worst:.3g}"
 
 
 def bench(mesh, steps: int = 30):

@@ -221,13 +221,17 @@ def creation_under_a_trace(ctx: Ctx):
 
 
 # -- run time (a pending crossing jitted calls) ---------------------------------------------
+def jitted_send(ctx: Ctx, a2a):
+    """dispatch_send alone as a jitted call: (x, indices, num_tokens) -> its pending."""
+    return ctx.jit(lambda x, i, n: _with_rank_axis(a2a.dispatch_send(x, i, n.reshape(()))), 3)
+
+
 @case
 def second_send_in_another_call(ctx: Ctx):
     a2a = ctx.handle()
     try:
         _, (x, idx, _, nt) = ctx.inputs()
-        send = ctx.jit(lambda x, i, n: _with_rank_axis(a2a.dispatch_send(x, i, n.reshape(()))),
-                       3)
+        send = jitted_send(ctx, a2a)
         jax.block_until_ready(send(x, idx, nt))  # one dispatch in flight: fine
         msg = refused_at_run(ctx, a2a, lambda: jax.block_until_ready(send(x, idx, nt)))
         # The handle stays unusable (the kernels refuse every later launch): check() says so
@@ -251,8 +255,7 @@ def recv_again_in_another_call(ctx: Ctx):
     a2a = ctx.handle()
     try:
         _, (x, idx, _, nt) = ctx.inputs()
-        send = ctx.jit(lambda x, i, n: _with_rank_axis(a2a.dispatch_send(x, i, n.reshape(()))),
-                       3)
+        send = jitted_send(ctx, a2a)
         recv = ctx.jit(lambda p: a2a.dispatch_recv(_without_rank_axis(p)).expert_num_tokens, 1)
         pending = send(x, idx, nt)
         jax.block_until_ready(recv(pending))  # the one recv of that send: fine

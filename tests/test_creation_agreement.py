@@ -32,3 +32,12 @@ def test_a_differing_shape_is_reported_before_settings():
 def test_a_test_only_start_epoch_must_agree_too():
     msg = creation_mismatch(0, [request(start_epoch=2**32), request()])
     assert "start_epoch differs" in msg
+
+
+def test_a_staged_transport_on_one_rank_only_is_named():
+    """The staged transport changes the symmetric layout and who is sent to how (issue 25):
+    a rank asking for it alone is named, whether it came from the environment or the code."""
+    msg = creation_mismatch(1, [request(transport="auto", JMC_TRANSPORT="staged"),
+                                request(transport="auto")])
+    assert "differs between ranks" in msg and "on rank 0" in msg, msg
+    assert "JMC_TRANSPORT" in PROTOCOL_ENV

@@ -98,6 +98,16 @@ def test_gpu_layout_worker_runs_on_cpu_with_the_reference_backend():
 
 
 
+def test_gpu_soak_worker_runs_on_cpu_with_the_reference_backend():
+    """The soak worker (issue 28: hashed inputs, two handles, one counter) on 2 CPU processes,
+    a few hundred cycles: its oracle passes, so a zero on the GPU means the kernels agree."""
+    r = launch("-n", "2", "--platform", "cpu", "--timeout", "200", "--", sys.executable,
+               os.path.join(HERE, "gpu_soak_worker.py"), "--backend", "reference",
+               "--cycles", "200", "--per-call", "100")
+    assert r.returncode == 0 and "GPU SOAK PASSED" in r.stdout, (r.stdout + r.stderr)[-5000:]
+    assert "0 of 200 cycles wrong" in r.stdout, r.stdout[-3000:]
+
+
 def test_shutdown_grpc_noise_is_dropped_and_counted():
     """The block JAX 0.11 logs at every normal exit (copied from a GPU run), between real
     output: the block goes, the real lines stay."""

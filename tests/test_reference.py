@@ -125,3 +125,20 @@ def test_poll_reports_like_check_and_recover_needs_an_open_handle():
     a2a.close()
     with pytest.raises(ProtocolError, match="closed"):
         a2a.recover()
+
+
+def test_combine_wrong_flags_a_wrong_y_and_passes_the_right_one():
+    """The in-loop oracle of the protocol and soak workers (testing.combine_wrong)."""
+    cfg = MoEConfig(num_experts=8, experts_per_token=2, hidden=16, max_num_tokens=4,
+                    world_size=2)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4, 16)), jnp.bfloat16)
+    ids = jnp.asarray([[0, 5], [3, -1], [7, 2], [1, 4]], jnp.int32)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (4, 2)), jnp.float32)
+    c = jnp.asarray(T.expert_factor(cfg), jnp.float32)[jnp.clip(ids, 0)]
+    rows = (c[:, :, None] * x.astype(jnp.float32)[:, None, :]).astype(cfg.combine_dtype)
+    y = jnp.sum(jnp.where(ids[:, :, None] >= 0, w[:, :, None] * rows.astype(jnp.float32), 0),
+                axis=1).at[3].set(0.0)  # num_tokens = 3: the last row stays zero
+    assert int(T.combine_wrong(cfg, y, x, ids, w, 3)) == 0
+    assert int(T.combine_wrong(cfg, y.at[1, 5].add(1.0), x, ids, w, 3)) == 1
+    assert int(T.combine_wrong(cfg, y.at[3].set(y[2]), x, ids, w, 3)) == 1  # past num_tokens

@@ -46,14 +46,20 @@ CASES = {
 }
 
 
+def random_case(name: str, seed: int):
+    """CASES[name] on 64 tokens x 16 experts of random logits (and expert bias where the case
+    has one): (cfg, numpy kwargs for np_route/np_margin, logits, bias or None)."""
+    kw = dict(CASES[name])
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((64, 16)).astype(np.float32) * 2
+    bias = (rng.standard_normal(16) * 0.3).astype(np.float32) if kw.pop("bias", False) else None
+    return R.RouterConfig(expert_bias=bias is not None, **kw), kw, logits, bias
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_route_matches_numpy(name):
-    kw = dict(CASES[name])
-    rng = np.random.default_rng(0)
-    T, E, k = 64, 16, 4
-    logits = rng.standard_normal((T, E)).astype(np.float32) * 2
-    bias = (rng.standard_normal(E) * 0.3).astype(np.float32) if kw.pop("bias", False) else None
-    cfg = R.RouterConfig(expert_bias=bias is not None, **kw)
+    cfg, kw, logits, bias = random_case(name, 0)
+    k = 4
     got = R.route(cfg, jnp.asarray(logits), k, None if bias is None else jnp.asarray(bias))
     idx, w, p = np_route(logits, k, bias=bias, **kw)
     np.testing.assert_array_equal(np.sort(np.asarray(got.indices), 1), np.sort(idx, 1))
@@ -140,15 +146,11 @@ def np_margin(logits, k, score, num_groups=1, topk_groups=None, bias=None, **_):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_selection_margin_matches_numpy(name):
-    kw = dict(CASES[name])
-    rng = np.random.default_rng(2)
-    T, E, k = 64, 16, 4
-    logits = rng.standard_normal((T, E)).astype(np.float32) * 2
-    bias = (rng.standard_normal(E) * 0.3).astype(np.float32) if kw.pop("bias", False) else None
-    cfg = R.RouterConfig(expert_bias=bias is not None, **kw)
+    cfg, kw, logits, bias = random_case(name, 2)
+    k = 4
     got = R.selection_margin(cfg, jnp.asarray(logits), k,
                              None if bias is None else jnp.asarray(bias))
-    assert got.shape == (T,) and got.dtype == jnp.float32
+    assert got.shape == (logits.shape[0],) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np_margin(logits, k, bias=bias, **kw),
                                rtol=1e-4, atol=1e-6)
 

@@ -17,6 +17,7 @@ enum ErrorCode : uint32_t {
   kPeerAborted = 5,     // a peer reported an error first (its abort word reached us)
   kOutOfOrder = 6,      // a launch out of its half's order (recv before send, send twice)
   kStaleLaunch = 7,     // a launch on a closed handle (a replayed command buffer): did nothing
+  kCapacityExceeded = 8,  // more rows arrived than the packed capacity (overflow "fail")
 };
 
 enum Phase : uint32_t {
@@ -40,6 +41,16 @@ enum What : uint32_t {
   kWhatRowCount = 7,     // a staged sender's count of the rows it put for us (combine)
 };
 
+// A timeout's view of the rank it waited for: which of that rank's kernels the wait needed
+// (KernelId + 1, 0: no view) and of which cycle, and the cycle of that rank's latest start of
+// each kernel, read from its symmetric buffer when the wait gave up. Tells "has not started the
+// cycle" from "started, stalled inside".
+struct PeerView {
+  uint32_t needed_kernel;
+  uint64_t needed_cycle;
+  uint64_t started[4];
+};
+
 struct ErrorRecord {
   uint32_t code;      // written last: the host reads it without a sync
   uint32_t phase;
@@ -49,21 +60,11 @@ struct ErrorRecord {
   uint64_t seen;      // last value read / bad value
   uint32_t what;
   uint32_t claimed;   // first-wins ticket, so the fields are whole before `code` is set
-  // A timeout's view of the rank it waited for (kPeerTimeout with peer >= 0; else zero): which
-  // of that rank's kernels the wait needed (KernelId + 1, 0: none) and of which cycle, and the
-  // cycle of that rank's latest start of each kernel, read from its symmetric buffer when the
-  // wait gave up. Tells "has not started the cycle" from "started, stalled inside".
-  uint32_t needed_kernel;
-  uint32_t reserved;
-  uint64_t needed_cycle;
-  uint64_t peer_started[4];
-};
-
-// What a timed-out wait saw of the rank it waited for (the last fields of ErrorRecord).
-struct PeerView {
-  uint32_t needed_kernel;  // KernelId + 1
-  uint64_t needed_cycle;
-  uint64_t started[4];
+  PeerView view;      // kPeerTimeout waiting for a rank; else zero
+  // Not an error: rows dropped past the packed capacity (overflow "drop") since creation or
+  // recover(), added by dispatch_recv's last block (one writer per handle; the host reads it
+  // after a device sync).
+  uint64_t dropped_rows;
 };
 
 // The abort word a failing rank SETs on every peer: (error code << 32) | (rank + 1).
@@ -84,11 +85,7 @@ __device__ __forceinline__ bool record_error(ErrorRecord* rec, ErrorCode code, P
                                              uint64_t seen, What what,
                                              const PeerView* view = nullptr) {
   if (atomicCAS(&rec->claimed, 0u, 1u) != 0u) return false;
-  if (view != nullptr) {
-    rec->needed_kernel = view->needed_kernel;
-    rec->needed_cycle = view->needed_cycle;
-    for (int i = 0; i < 4; ++i) rec->peer_started[i] = view->started[i];
-  }
+  if (view != nullptr) rec->view = *view;
   rec->phase = phase;
   rec->peer = peer;
   rec->token = token;

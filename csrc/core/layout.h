@@ -47,7 +47,15 @@ struct Shape {
   int in_elem_bytes;      // 1 (fp8) or 2 (bf16)
   int num_scales;         // f32 scales per token, 0 for bf16
   int out_elem_bytes;     // 2 (bf16) or 4 (f32) for expert_y
+  // The layout of expert_x/expert_y. 0: padded [L, R, H], each local expert's rows at e * R.
+  // > 0: packed [packed_rows, H], expert 0's rows, then 1's, ... (a prefix of the counts); its
+  // value is the capacity C (<= max_recv_rows()). Rows that arrive past C are never written:
+  // with drop_overflow they are dropped (combine sends zero rows for them), else the cycle
+  // fails with kCapacityExceeded.
+  int packed_rows = 0;
+  int drop_overflow = 0;
 
+  __host__ __device__ bool packed() const { return packed_rows > 0; }
   __host__ __device__ int num_local_experts() const { return num_experts / world_size; }
   __host__ __device__ int num_dp_groups() const { return world_size / dp_size; }
   __host__ __device__ int max_recv_tokens() const { return max_num_tokens * num_dp_groups(); }
@@ -59,6 +67,16 @@ struct Shape {
   __host__ __device__ int combine_cap() const {
     const int k = experts_per_token, L = num_local_experts();
     return max_num_tokens * (k < L ? k : L);
+  }
+  // Rows of expert_x / expert_y (and expert_weights): C packed, L * R padded.
+  __host__ __device__ int64_t output_rows() const {
+    return packed() ? packed_rows : int64_t{num_local_experts()} * max_recv_tokens();
+  }
+  // Entries of row_source: padded one per row; packed one per row that can arrive (the worst
+  // case), so the sources of rows dropped past C are kept there, at [C, C + dropped), for
+  // combine_send to answer their slots with zero rows.
+  __host__ __device__ int64_t row_source_entries() const {
+    return packed() ? max_recv_rows() : output_rows();
   }
 };
 

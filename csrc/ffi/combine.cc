@@ -15,16 +15,19 @@ namespace {
 // The send operands checked against the handle's shape, as the send body's parameters.
 ffi::Error send_params(const Call& h, ffi::AnyBuffer expert_y,
                        ffi::Buffer<ffi::S32> expert_num_tokens, ffi::Buffer<ffi::S32> row_source,
-                       CombineSendParams* p) {
+                       ffi::Buffer<ffi::S32> dropped_rows, CombineSendParams* p) {
   const Shape& s = h->shape;
-  const size_t rows = size_t(s.num_local_experts()) * s.max_recv_tokens();
+  const size_t rows = s.output_rows();  // [L, R] padded, [C] packed
   JMC_RETURN_IF_ERROR(check_bytes("expert_y", expert_y.size_bytes(),
                                   rows * s.hidden * s.out_elem_bytes));
   JMC_RETURN_IF_ERROR(check_bytes("expert_num_tokens", expert_num_tokens.size_bytes(),
                                   size_t(s.num_local_experts()) * 4));
-  JMC_RETURN_IF_ERROR(check_bytes("row_source", row_source.size_bytes(), rows * 4));
+  JMC_RETURN_IF_ERROR(check_bytes("row_source", row_source.size_bytes(),
+                                  size_t(s.row_source_entries()) * 4));
+  JMC_RETURN_IF_ERROR(check_bytes("dropped_rows", dropped_rows.size_bytes(), 4));
   *p = CombineSendParams{h->common(), static_cast<const uint8_t*>(expert_y.untyped_data()),
-                         expert_num_tokens.typed_data(), row_source.typed_data()};
+                         expert_num_tokens.typed_data(), row_source.typed_data(),
+                         dropped_rows.typed_data()};
   return ffi::Error::Success();
 }
 
@@ -51,11 +54,12 @@ ffi::Error recv_params(const Call& h, ffi::Buffer<ffi::S32> indices,
 
 ffi::Error CombineSend(cudaStream_t stream, int64_t handle, ffi::AnyBuffer expert_y,
                        ffi::Buffer<ffi::S32> expert_num_tokens,
-                       ffi::Buffer<ffi::S32> row_source, ffi::Result<ffi::AnyBuffer> ticket) {
+                       ffi::Buffer<ffi::S32> row_source, ffi::Buffer<ffi::S32> dropped_rows,
+                       ffi::Result<ffi::AnyBuffer> ticket) {
   Call h;
   JMC_RETURN_IF_ERROR(begin(handle, Op::kCombineSend, &h));
   CombineSendParams p;
-  JMC_RETURN_IF_ERROR(send_params(h, expert_y, expert_num_tokens, row_source, &p));
+  JMC_RETURN_IF_ERROR(send_params(h, expert_y, expert_num_tokens, row_source, dropped_rows, &p));
   JMC_RETURN_IF_CUDA_ERROR(launch_combine_send(p, h->launch[kCombineSendKernel], stream));
   return ffi::Error::Success();
 }
@@ -75,14 +79,16 @@ ffi::Error CombineRecv(cudaStream_t stream, int64_t handle, ffi::AnyBuffer ticke
 // The fused op: expert rows in, y out; one block or the two split kernels (as Dispatch).
 ffi::Error Combine(cudaStream_t stream, int64_t handle, ffi::AnyBuffer expert_y,
                    ffi::Buffer<ffi::S32> expert_num_tokens, ffi::Buffer<ffi::S32> row_source,
-                   ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::F32> weights,
+                   ffi::Buffer<ffi::S32> dropped_rows, ffi::Buffer<ffi::S32> indices,
+                   ffi::Buffer<ffi::F32> weights,
                    ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> y,
                    ffi::Result<ffi::AnyBuffer> slot_rows) {
   Call h;
   JMC_RETURN_IF_ERROR(begin(handle, Op::kCombine, &h));
   CombineSendParams send;
   CombineRecvParams recv;
-  JMC_RETURN_IF_ERROR(send_params(h, expert_y, expert_num_tokens, row_source, &send));
+  JMC_RETURN_IF_ERROR(
+      send_params(h, expert_y, expert_num_tokens, row_source, dropped_rows, &send));
   JMC_RETURN_IF_ERROR(recv_params(h, indices, weights, num_tokens, y, slot_rows, &recv));
   const Launch fused = h->fused_launch[kFusedCombine];
   if (fused.num_blocks > 0) {
@@ -103,6 +109,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCombineSend, CombineSend,
                                   .Arg<ffi::AnyBuffer>()         // expert_y
                                   .Arg<ffi::Buffer<ffi::S32>>()  // expert_num_tokens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // row_source
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // dropped_rows
                                   .Ret<ffi::AnyBuffer>(),  // ticket
                               JMC_GRAPH_SAFE);
 
@@ -125,6 +132,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCombine, Combine,
                                   .Arg<ffi::AnyBuffer>()         // expert_y
                                   .Arg<ffi::Buffer<ffi::S32>>()  // expert_num_tokens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // row_source
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // dropped_rows
                                   .Arg<ffi::Buffer<ffi::S32>>()  // indices
                                   .Arg<ffi::Buffer<ffi::F32>>()  // weights
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens

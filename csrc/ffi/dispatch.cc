@@ -37,21 +37,24 @@ ffi::Error recv_params(const Call& h, ffi::Result<ffi::AnyBuffer> expert_x,
                        ffi::Result<ffi::Buffer<ffi::S32>> expert_num_tokens,
                        ffi::Result<ffi::Buffer<ffi::S32>> row_source,
                        ffi::Result<ffi::Buffer<ffi::F32>> expert_weights,
-                       DispatchRecvParams* p) {
+                       ffi::Result<ffi::Buffer<ffi::S32>> dropped_rows, DispatchRecvParams* p) {
   const Shape& s = h->shape;
-  const size_t rows = size_t(s.num_local_experts()) * s.max_recv_tokens();
+  const size_t rows = s.output_rows();  // [L, R] padded, [C] packed
   JMC_RETURN_IF_ERROR(check_bytes("expert_x", expert_x->size_bytes(),
                                   rows * s.hidden * s.in_elem_bytes));
   JMC_RETURN_IF_ERROR(check_bytes("expert_x_scale", expert_x_scale->size_bytes(),
                                   rows * s.num_scales * 4));
   JMC_RETURN_IF_ERROR(check_bytes("expert_num_tokens", expert_num_tokens->size_bytes(),
                                   size_t(s.num_local_experts()) * 4));
-  JMC_RETURN_IF_ERROR(check_bytes("row_source", row_source->size_bytes(), rows * 4));
+  JMC_RETURN_IF_ERROR(check_bytes("row_source", row_source->size_bytes(),
+                                  size_t(s.row_source_entries()) * 4));
   JMC_RETURN_IF_ERROR(check_bytes("expert_weights", expert_weights->size_bytes(), rows * 4));
+  JMC_RETURN_IF_ERROR(check_bytes("dropped_rows", dropped_rows->size_bytes(), 4));
   *p = DispatchRecvParams{
       h->common(), static_cast<uint8_t*>(expert_x->untyped_data()),
       s.num_scales ? static_cast<float*>(expert_x_scale->untyped_data()) : nullptr,
-      expert_num_tokens->typed_data(), row_source->typed_data(), expert_weights->typed_data()};
+      expert_num_tokens->typed_data(), row_source->typed_data(), expert_weights->typed_data(),
+      dropped_rows->typed_data()};
   return ffi::Error::Success();
 }
 
@@ -72,12 +75,13 @@ ffi::Error DispatchRecv(cudaStream_t stream, int64_t handle, ffi::AnyBuffer tick
                         ffi::Result<ffi::AnyBuffer> expert_x_scale,
                         ffi::Result<ffi::Buffer<ffi::S32>> expert_num_tokens,
                         ffi::Result<ffi::Buffer<ffi::S32>> row_source,
-                        ffi::Result<ffi::Buffer<ffi::F32>> expert_weights) {
+                        ffi::Result<ffi::Buffer<ffi::F32>> expert_weights,
+                        ffi::Result<ffi::Buffer<ffi::S32>> dropped_rows) {
   Call h;
   JMC_RETURN_IF_ERROR(begin(handle, Op::kDispatchRecv, &h));
   DispatchRecvParams p;
   JMC_RETURN_IF_ERROR(recv_params(h, expert_x, expert_x_scale, expert_num_tokens, row_source,
-                                  expert_weights, &p));
+                                  expert_weights, dropped_rows, &p));
   JMC_RETURN_IF_CUDA_ERROR(launch_dispatch_recv(p, h->launch[kDispatchRecvKernel], stream));
   return ffi::Error::Success();
 }
@@ -91,14 +95,15 @@ ffi::Error Dispatch(cudaStream_t stream, int64_t handle, ffi::AnyBuffer x,
                     ffi::Result<ffi::AnyBuffer> expert_x_scale,
                     ffi::Result<ffi::Buffer<ffi::S32>> expert_num_tokens,
                     ffi::Result<ffi::Buffer<ffi::S32>> row_source,
-                    ffi::Result<ffi::Buffer<ffi::F32>> expert_weights) {
+                    ffi::Result<ffi::Buffer<ffi::F32>> expert_weights,
+                    ffi::Result<ffi::Buffer<ffi::S32>> dropped_rows) {
   Call h;
   JMC_RETURN_IF_ERROR(begin(handle, Op::kDispatch, &h));
   DispatchSendParams send;
   DispatchRecvParams recv;
   JMC_RETURN_IF_ERROR(send_params(h, x, x_scale, indices, weights, num_tokens, &send));
   JMC_RETURN_IF_ERROR(recv_params(h, expert_x, expert_x_scale, expert_num_tokens, row_source,
-                                  expert_weights, &recv));
+                                  expert_weights, dropped_rows, &recv));
   const Launch fused = h->fused_launch[kFusedDispatch];
   if (fused.num_blocks > 0) {
     JMC_RETURN_IF_CUDA_ERROR(launch_dispatch(send, recv, fused, stream));
@@ -132,7 +137,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kDispatchRecv, DispatchRecv,
                                   .Ret<ffi::AnyBuffer>()           // expert_x_scale
                                   .Ret<ffi::Buffer<ffi::S32>>()    // expert_num_tokens
                                   .Ret<ffi::Buffer<ffi::S32>>()    // row_source
-                                  .Ret<ffi::Buffer<ffi::F32>>(),  // expert_weights
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // expert_weights
+                                  .Ret<ffi::Buffer<ffi::S32>>(),  // dropped_rows
                               JMC_GRAPH_SAFE);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kDispatch, Dispatch,
@@ -148,7 +154,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kDispatch, Dispatch,
                                   .Ret<ffi::AnyBuffer>()           // expert_x_scale
                                   .Ret<ffi::Buffer<ffi::S32>>()    // expert_num_tokens
                                   .Ret<ffi::Buffer<ffi::S32>>()    // row_source
-                                  .Ret<ffi::Buffer<ffi::F32>>(),  // expert_weights
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // expert_weights
+                                  .Ret<ffi::Buffer<ffi::S32>>(),  // dropped_rows
                               JMC_GRAPH_SAFE);
 
 }  // namespace jmc

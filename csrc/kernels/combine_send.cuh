@@ -1,9 +1,10 @@
 // combine_send: put each expert output row back to its token's home rank(s). It waits only for
 // the home ranks' acknowledgement of the previous cycle.
 //
-// 1. Inputs: expert_y [L, R, H] (bf16 or f32), expert_num_tokens [L] and row_source [L, R]
-//    from dispatch_recv (possibly of another handle of the same shape: the backward pass uses
-//    the forward's routing). Output: none (a ticket).
+// 1. Inputs: expert_y (bf16 or f32) laid out as dispatch_recv laid out expert_x ([L, R, H]
+//    padded, [C, H] packed), expert_num_tokens [L], row_source and dropped_rows [1] from
+//    dispatch_recv (possibly of another handle of the same shape and layout: the backward pass
+//    uses the forward's routing). Output: none (a ticket).
 // 2. Symmetric memory, epoch e:
 //      local combine_ack[h]          waited >= e - 1 for every rank h: h has read the rows we
 //                                    put in cycle e - 1, so its combine_rows and our staged
@@ -12,8 +13,12 @@
 //      on h  combine_rows[t][j]      the row of slot (t, j) of one of h's tokens,
 //            combine_flag[t][j]      SET e after the row's bytes.
 // 3. Work items are the filled rows of all local experts, numbered through a prefix of
-//    expert_num_tokens in shared memory, strided over every warp. A row's source (group g,
-//    token t, slot j) is checked; the row goes to every member h = g * dp + m of the group:
+//    expert_num_tokens in shared memory (packed: row i is expert_y row i), then, packed, the
+//    rows dropped past the capacity C (their sources at row_source[C, C + dropped)), strided
+//    over every warp. A dropped row's slot gets a zero row: its home rank waits for every
+//    slot it routed, and a dropped expert adds nothing, as if its output were zero. A row's
+//    source (group g, token t, slot j) is checked; the row goes to every member
+//    h = g * dp + m of the group:
 //      - h reachable by load/store (peer_ptr): 16-byte stores from expert_y straight into h's
 //        combine_rows, then __syncwarp, fence.sys, flag store;
 //      - otherwise (staged: another node, or KernelTuning(transport="staged")) packed with a
@@ -25,7 +30,8 @@
 //    behind a fence: two messages per staged home and cycle, where a put and a flag per row
 //    made two per row. Load/store homes get no count: they know from their own indices which
 //    slots come back. Then it advances the epoch.
-// 5. Errors: a count outside [0, R] or a source out of range is recorded and broadcast.
+// 5. Errors: a count outside [0, R], counts over the rows expert_y holds, a dropped count
+//    that does not fit the layout, or a source out of range is recorded and broadcast.
 #pragma once
 
 #include "core/protocol.cuh"
@@ -75,8 +81,11 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
   // expert_num_tokens), are refused at once: sending part of the rows would leave home ranks
   // waiting for rows that never come (a timeout 30 s later, naming the wrong thing).
   extern __shared__ int first_row[];  // [L + 1]; first_row[L] < 0: refused
+  __shared__ int num_dropped;          // packed: rows dropped past C, answered with zeros
+  const int capacity = static_cast<int>(s.output_rows());
   if (threadIdx.x < kWarpSize) {
-    const int max_rows = s.max_recv_rows();
+    const int max_rows = s.packed() ? capacity : s.max_recv_rows();
+    const int dropped = *p.dropped_rows;  // (issued early: it overlaps the counts' loads)
     int before = 0;  // rows of experts [0, e0)
     bool refused = false;
     for (int e0 = 0; e0 < L; e0 += kWarpSize) {
@@ -96,33 +105,51 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
       if (e < L) first_row[e + 1] = before + n;
       before += __shfl_sync(0xffffffffu, n, kWarpSize - 1);
     }
-    if (w.lane == 0) first_row[0] = 0;
-    if (w.lane == 0 && refused) first_row[L] = -1;
+    // Dropped rows exist only past a full packed expert_y: before them the counts fill C.
+    const bool bad_drop = dropped != 0 && (!s.packed() || dropped < 0 || before != capacity ||
+                                           dropped > s.max_recv_rows() - capacity);
+    if (bad_drop && !refused && ok && blockIdx.x == 0 && w.lane == 0)
+      fail(c, kCorruptData, kPhaseCombineSend, -1, -1, s.max_recv_rows() - capacity, dropped,
+           kWhatExpertCount);
+    if (w.lane == 0) {
+      first_row[0] = 0;
+      if (refused || bad_drop) first_row[L] = -1;
+      num_dropped = bad_drop ? 0 : dropped;
+    }
   }
   __syncthreads();
-  const int rows = ok ? max(first_row[L], 0) : 0;
+  const int live = ok ? max(first_row[L], 0) : 0;
+  const int rows = live + (ok && first_row[L] >= 0 ? num_dropped : 0);
   for (int i = w.warp; i < rows; i += w.total) {
-    int e = 0;  // largest e with first_row[e] <= i
-    for (int lo = 0, hi = L; hi - lo > 1;) {
-      const int mid = (lo + hi) / 2;
-      (first_row[mid] <= i ? lo : hi) = mid;
-      e = lo;
+    size_t at = i;  // packed: row i (a dropped row's source sits at i too: live == C then)
+    if (!s.packed()) {
+      int e = 0;  // largest e with first_row[e] <= i
+      for (int lo = 0, hi = L; hi - lo > 1;) {
+        const int mid = (lo + hi) / 2;
+        (first_row[mid] <= i ? lo : hi) = mid;
+        e = lo;
+      }
+      at = static_cast<size_t>(e) * R + (i - first_row[e]);
     }
-    const size_t at = static_cast<size_t>(e) * R + (i - first_row[e]);
     const int src = p.row_source[at];
     const int j = src % k, t = (src / k) % s.max_num_tokens, g = src / k / s.max_num_tokens;
     if (src < 0 || g >= G) {
       if (w.lane == 0) fail(c, kCorruptData, kPhaseCombineSend, -1, -1, G, src, kWhatRow);
       break;
     }
-    const uint8_t* y_row = p.expert_y + at * sym.combine_row_bytes;
+    // nullptr: a dropped row, sent as zeros.
+    const uint8_t* y_row = i < live ? p.expert_y + at * sym.combine_row_bytes : nullptr;
     uint8_t* row = sym.combine_row(t, j);
     uint64_t* flag = sym.slot_flag(t, j);
     bool packed = true;
     for (int m = 0; m < dp; ++m) {
       const int home = g * dp + m;
       if (uint8_t* direct = peer_ptr(c, row, home)) {
-        warp_copy(direct, y_row, sym.combine_row_bytes, w.lane);
+        if (y_row != nullptr) {
+          warp_copy(direct, y_row, sym.combine_row_bytes, w.lane);
+        } else {
+          warp_zero(direct, sym.combine_row_bytes, w.lane);
+        }
         __syncwarp();
         if (w.lane == 0) st_release_sys_u64(peer_ptr(c, flag, home), epoch);
         continue;
@@ -142,7 +169,11 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
         reinterpret_cast<int32_t*>(entry)[0] = t;
         reinterpret_cast<int32_t*>(entry)[1] = j;
       }
-      warp_copy(entry + kEntryHeaderBytes, y_row, sym.combine_row_bytes, w.lane);
+      if (y_row != nullptr) {
+        warp_copy(entry + kEntryHeaderBytes, y_row, sym.combine_row_bytes, w.lane);
+      } else {
+        warp_zero(entry + kEntryHeaderBytes, sym.combine_row_bytes, w.lane);
+      }
     }
     if (!packed) break;
   }

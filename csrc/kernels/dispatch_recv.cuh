@@ -1,8 +1,13 @@
 // dispatch_recv: take every DP group's records as they land and lay them out per local expert.
 //
-// 1. Outputs: expert_x [L, R, H], expert_x_scale [L, R, S] (fp8), expert_num_tokens [L],
-//    row_source [L, R] (pack_source(group, token, slot)), expert_weights [L, R] f32; rows past
-//    the count are undefined. R = max_m * G.
+// 1. Outputs: expert_x, expert_x_scale (fp8), expert_weights f32 and row_source
+//    (pack_source(group, token, slot)) per row, expert_num_tokens [L], dropped_rows [1].
+//    Padded (Shape::packed_rows == 0): [L, R, ...], expert e's rows at e * R; rows past the
+//    count are undefined; R = max_m * G. Packed: [C, ...] with C = packed_rows, expert 0's
+//    rows, then 1's, ... (expert_first: a prefix over the local experts' row totals), rows past
+//    sum(counts) undefined; row_source has max_recv_rows() entries: a row whose packed
+//    position falls at or past C is not written (x, scales, weight) but its source is, at that
+//    position, and dropped_rows says how many (combine_send answers their slots with zeros).
 // 2. Symmetric memory, epoch e: local dispatch_count[g], recv_records[g][i]
 //    (written by the sender of group g, s_g = g * dp + rank % dp); on s_g: dispatch_ack[rank].
 // 3. Step 1, every block: one thread per group waits (bounded) for dispatch_count[g] to carry
@@ -11,14 +16,19 @@
 //    A sender reachable by load/store published its count after all its records (release), a
 //    staged sender put its records in one put and the count behind a fence, so the count's
 //    acquire (and, staged, NVSHMEM's post-wait hook in wait_ge) is all a block needs.
+//    Step 1b, packed only, every block: a thread per record reads its header and counts the
+//    rows of each local expert (shared atomics); warp 0 scans them into expert_first [L + 1].
+//    Every block reads every header (a header is ~40 bytes: 1 KB per block per 32 records),
+//    since no block may wait for another (no grid barrier: blocks need not be co-resident).
 //    Step 2: warps stride over all records of all groups. A warp checks the record's header
-//    (token < max_m), and for each
-//    expert id that is local takes a row with atomicAdd on the expert's fill count (< R,
-//    checked; in shared memory when the grid is one block, else expert_fill in scratch) and
-//    copies payload, scales, weight and source.
-// 4. The last block writes expert_num_tokens, re-arms the fill counts, and SETs
-//    dispatch_ack[rank] = e on every s_g: our recv_records may be overwritten by their next
-//    cycle.
+//    (token < max_m), and for each expert id that is local takes a row with atomicAdd on the
+//    expert's fill count (< R, checked; in shared memory when the grid is one block, else
+//    expert_fill in scratch) and copies payload, scales, weight and source.
+// 4. The last block writes expert_num_tokens (packed: the rows below C), dropped_rows,
+//    re-arms the fill counts, and SETs dispatch_ack[rank] = e on every s_g: our recv_records
+//    may be overwritten by their next cycle. Rows past C with overflow "fail": it records
+//    kCapacityExceeded instead (the handle is poisoned, no ack); with "drop" it adds them to
+//    the error record's dropped_rows.
 // 5. On any failure (timeout, abort word, bad value) the error is recorded and broadcast, the
 //    remaining records are skipped, no ack is sent, and on a poisoned handle every count is 0.
 #pragma once
@@ -28,6 +38,56 @@
 
 namespace jmc {
 namespace {
+
+// Warp 0: a[0] = 0 and a[1..n] turned into their inclusive prefix sums, 32 at a time with
+// shuffles (one thread walking L = 32 entries made 32 dependent shared-memory round trips).
+// The caller syncs the block before and after.
+__device__ __forceinline__ void warp0_prefix_in_place(uint32_t* a, int n) {
+  if (threadIdx.x >= kWarpSize) return;
+  const int lane = threadIdx.x;
+  uint32_t before = 0;
+  for (int i0 = 0; i0 < n; i0 += kWarpSize) {
+    const int i = i0 + lane;
+    uint32_t v = i < n ? a[i + 1] : 0;
+    for (int d = 1; d < kWarpSize; d *= 2) {
+      const uint32_t below = __shfl_up_sync(0xffffffffu, v, d);
+      if (lane >= d) v += below;
+    }
+    if (i < n) a[i + 1] = before + v;
+    before += __shfl_sync(0xffffffffu, v, kWarpSize - 1);
+  }
+  if (lane == 0) a[0] = 0;
+}
+
+// Step 1b (packed layout): expert_first[e] = rows of local experts [0, e) in this cycle's
+// records, for e <= L; every block computes it from the headers (see the top of this file).
+__device__ __forceinline__ void count_expert_rows(const DispatchRecvParams& p,
+                                                  const uint32_t* first_record, uint32_t total,
+                                                  uint32_t* expert_first) {
+  const CommonParams& c = p.c;
+  const Shape& s = c.shape;
+  const int k = s.experts_per_token, L = s.num_local_experts(), G = s.num_dp_groups();
+  const int first_expert = c.rank * L;
+  for (int e = threadIdx.x; e <= L; e += blockDim.x) expert_first[e] = 0;
+  __syncthreads();
+  for (uint32_t i = threadIdx.x; i < total; i += blockDim.x) {
+    int g = 0;  // the group whose records cover i (as in step 2)
+    for (int lo = 0, hi = G; hi - lo > 1;) {
+      const int mid = (lo + hi) / 2;
+      (first_record[mid] <= i ? lo : hi) = mid;
+      g = lo;
+    }
+    const int32_t* ids = reinterpret_cast<const int32_t*>(
+                             c.sym.recv_record(g, static_cast<int>(i - first_record[g]))) + 1;
+    for (int j = 0; j < k; ++j) {
+      const int e = ids[j] - first_expert;  // the same test as step 2's
+      if (e >= 0 && e < L) atomicAdd(&expert_first[e + 1], 1u);
+    }
+  }
+  __syncthreads();
+  warp0_prefix_in_place(expert_first, L);
+  __syncthreads();
+}
 
 __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) {
   const CommonParams& c = p.c;
@@ -75,11 +135,16 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
   }
   __syncthreads();
   stamp_mark(c, kDispatchRecvKernel, kWaited);
+  const uint32_t total = ok ? first_record[G] : 0;
+  // Packed: where each local expert's rows start (after first_record in dynamic shared memory).
+  uint32_t* expert_first = s.packed() ? first_record + G + 1 : nullptr;
+  if (s.packed()) count_expert_rows(p, first_record, total, expert_first);
+  const int capacity = static_cast<int>(s.output_rows());
+  const int sources = static_cast<int>(s.row_source_entries());
 
   // Step 2: every record of every group. A refused launch reads none; a group whose count
   // failed has none (its failure is recorded and broadcast); the other groups' records are
   // complete, so reading them is safe even if a peer has aborted since.
-  const uint32_t total = ok ? first_record[G] : 0;
   for (uint32_t i = w.warp; i < total; i += w.total) {
     int g = 0;  // the group whose records cover i: largest g with first_record[g] <= i
     for (int lo = 0, hi = G; hi - lo > 1;) {
@@ -106,36 +171,60 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
       const int e = j < k ? header[1 + j] - first_expert : -1;
       int row = -1;
       if (e >= 0 && e < L) row = static_cast<int>(atomicAdd(&fill[e], 1u));
-      if (row >= R) {  // more rows than any routing can make: a corrupt header
-        fail(c, kCorruptData, kPhaseDispatchRecv, sender, t, R, row, kWhatRow);
+      // Padded: row r of expert e; packed: after the rows of the experts before e.
+      const int at = row < 0 ? -1 : s.packed() ? static_cast<int>(expert_first[e]) + row
+                                               : e * R + row;
+      if (row >= R || at >= sources) {  // more rows than any routing can make: corrupt header
+        fail(c, kCorruptData, kPhaseDispatchRecv, sender, t, row >= R ? R : sources,
+             row >= R ? row : at, kWhatRow);
         row = -1;
       }
       for (uint32_t todo = __ballot_sync(0xffffffffu, row >= 0); todo != 0; todo &= todo - 1) {
         const int from = __ffs(todo) - 1;  // the lane of the next local slot
-        const size_t out_row = static_cast<size_t>(__shfl_sync(0xffffffffu, e, from)) * R +
-                               __shfl_sync(0xffffffffu, row, from);
-        warp_copy(p.expert_x + out_row * sym.record.payload_bytes, rec + sym.record.header_bytes,
-                  sym.record.payload_bytes, w.lane);
-        if (p.expert_x_scale != nullptr)
-          warp_copy_floats(p.expert_x_scale + out_row * s.num_scales,
-                           reinterpret_cast<const float*>(rec + sym.record.header_bytes +
-                                                          sym.record.payload_bytes),
-                           s.num_scales, w.lane);
-        if (w.lane == from) {
-          p.row_source[out_row] = pack_source(g, t, j, s.max_num_tokens, k);
-          p.expert_weights[out_row] = header_weights[j];
+        const int out_row = __shfl_sync(0xffffffffu, at, from);
+        if (out_row < capacity) {  // (packed: past C the row is dropped, its source kept)
+          warp_copy(p.expert_x + static_cast<size_t>(out_row) * sym.record.payload_bytes,
+                    rec + sym.record.header_bytes, sym.record.payload_bytes, w.lane);
+          if (p.expert_x_scale != nullptr)
+            warp_copy_floats(p.expert_x_scale + static_cast<size_t>(out_row) * s.num_scales,
+                             reinterpret_cast<const float*>(rec + sym.record.header_bytes +
+                                                            sym.record.payload_bytes),
+                             s.num_scales, w.lane);
+          if (w.lane == from) p.expert_weights[out_row] = header_weights[j];
         }
+        if (w.lane == from) p.row_source[out_row] = pack_source(g, t, j, s.max_num_tokens, k);
       }
     }
   }
 
   // Step 3: the last block publishes the counts and acknowledges every sender. The abort word
   // is read before the block barrier, overlapping the other warps' copies.
-  const bool healthy = ok && !poisoned(c);  // (a refused launch acknowledges nothing)
+  bool healthy = ok && !poisoned(c);  // (a refused launch acknowledges nothing)
   if (!is_last_block(c, kDispatchRecvKernel)) return;
+  // Packed: rows that arrived past the capacity (0 when C is the worst case, or padded).
+  const int arrived = s.packed() && ok ? static_cast<int>(expert_first[L]) : 0;
+  const uint32_t dropped = arrived > capacity ? static_cast<uint32_t>(arrived - capacity) : 0;
+  if (dropped > 0 && !s.drop_overflow) {
+    if (threadIdx.x == 0 && healthy)
+      fail(c, kCapacityExceeded, kPhaseDispatchRecv, -1, -1, capacity, arrived, kWhatRow);
+    healthy = false;  // the cycle failed: no counts, no acknowledgement
+  }
   for (int e = threadIdx.x; e < L; e += blockDim.x) {
-    const uint32_t filled = one_block ? fill[e] : atomicExch(&fill[e], 0u);
-    p.expert_num_tokens[e] = healthy ? static_cast<int32_t>(min(filled, uint32_t(R))) : 0;
+    const uint32_t filled = min(one_block ? fill[e] : atomicExch(&fill[e], 0u), uint32_t(R));
+    // Packed: only the rows below C are in expert_x.
+    const uint32_t below_capacity =
+        s.packed() ? static_cast<uint32_t>(max(0, min(static_cast<int>(filled),
+                                                       capacity - static_cast<int>(
+                                                                      expert_first[e]))))
+                   : filled;
+    p.expert_num_tokens[e] = healthy ? static_cast<int32_t>(below_capacity) : 0;
+  }
+  if (threadIdx.x == 0) {
+    p.dropped_rows[0] = healthy ? static_cast<int32_t>(dropped) : 0;
+    if (healthy && dropped > 0) {  // the only writer: launches on a handle are serialized
+      volatile uint64_t* total_dropped = &c.error->dropped_rows;
+      *total_dropped = *total_dropped + dropped;
+    }
   }
   if (healthy) {
     for (int g = threadIdx.x; g < G; g += blockDim.x)

@@ -105,20 +105,23 @@ struct DispatchSendParams {
   const int32_t* num_tokens;
 };
 
+// Rows: Shape::output_rows() ([L, R] padded, [C] packed); row_source: row_source_entries().
 struct DispatchRecvParams {
   CommonParams c;
-  uint8_t* expert_x;           // [L, R, H]
-  float* expert_x_scale;       // [L, R, S] or nullptr
+  uint8_t* expert_x;           // [rows, H]
+  float* expert_x_scale;       // [rows, S] or nullptr
   int32_t* expert_num_tokens;  // [L]
-  int32_t* row_source;         // [L, R] pack_source(...), rows < count
-  float* expert_weights;       // [L, R] weight of the slot that made the row, rows < count
+  int32_t* row_source;         // pack_source(...) of each row (packed: and of each dropped row)
+  float* expert_weights;       // [rows] weight of the slot that made the row
+  int32_t* dropped_rows;       // [1] rows past the packed capacity this cycle (0 padded)
 };
 
 struct CombineSendParams {
   CommonParams c;
-  const uint8_t* expert_y;           // [L, R, H] combine dtype
+  const uint8_t* expert_y;           // [rows, H] combine dtype, laid out as expert_x
   const int32_t* expert_num_tokens;  // [L]
-  const int32_t* row_source;         // [L, R]
+  const int32_t* row_source;         // as dispatch_recv wrote it
+  const int32_t* dropped_rows;       // [1] as dispatch_recv wrote it
 };
 
 struct CombineRecvParams {
@@ -141,9 +144,10 @@ struct BarrierParams {
 constexpr int kMaxBlockCounters = 256;
 
 // Dynamic shared memory of the bodies that keep a prefix there (split and fused launches, and
-// the occupancy queries): dispatch_recv's first_record [G + 1], combine_send's first_row [L + 1].
+// the occupancy queries): dispatch_recv's first_record [G + 1] (and, packed, expert_first
+// [L + 1]), combine_send's first_row [L + 1].
 inline size_t dispatch_recv_shared_bytes(const Shape& s) {
-  return sizeof(uint32_t) * (s.num_dp_groups() + 1);
+  return sizeof(uint32_t) * (s.num_dp_groups() + 1 + (s.packed() ? s.num_local_experts() + 1 : 0));
 }
 inline size_t combine_send_shared_bytes(const Shape& s) {
   return sizeof(int) * (s.num_local_experts() + 1);

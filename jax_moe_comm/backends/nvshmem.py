@@ -13,15 +13,18 @@ import numpy as np
 from .. import bootstrap, native
 from . import ffi_call
 from ..config import KernelTuning, MoEConfig
-from ..errors import (CorruptDataError, InvalidRoutingError, MoECommError, PeerAbortedError,
-                      PeerTimeoutError, ProtocolError)
+from ..errors import (CapacityExceededError, CorruptDataError, InvalidRoutingError,
+                      MoECommError, PeerAbortedError, PeerTimeoutError, ProtocolError)
 
 DEFAULT_TIMEOUT_S = 30.0
 
 
 class Routing(NamedTuple):
     expert_num_tokens: jax.Array  # [L] int32
-    row_source: jax.Array  # [L, R] int32: (group * max_m + token) * k + slot
+    # (group * max_m + token) * k + slot of each row: [L, R] padded; packed [max_recv_total]:
+    # the C rows of expert_x, then the rows dropped past C ([C, C + dropped))
+    row_source: jax.Array
+    dropped: jax.Array  # (1,) int32: rows dropped past the packed capacity (0 padded)
 
 
 def result_type(like, shape, dtype):
@@ -39,7 +42,7 @@ def result_type(like, shape, dtype):
 
 _ERROR_KINDS = {"PeerTimeout": PeerTimeoutError, "InvalidRouting": InvalidRoutingError,
                 "PeerAborted": PeerAbortedError, "CorruptData": CorruptDataError,
-                "ProtocolError": ProtocolError}
+                "ProtocolError": ProtocolError, "CapacityExceeded": CapacityExceededError}
 
 
 def raise_recorded(message: str) -> None:
@@ -104,7 +107,10 @@ class NvshmemBackend:
     fused_ops = True  # dispatch() and combine(): both halves in one launch (autodiff.py)
 
     def __init__(self, cfg: MoEConfig, axis_name, tuning: KernelTuning,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, layout: str = "padded",
+                 recv_rows: int | None = None, overflow: str = "fail"):
+        """layout "padded" or "packed"; recv_rows: the packed capacity C (None: the worst
+        case, cfg.max_recv_total); overflow "fail" or "drop" (api.AllToAll checks them)."""
         problem = bootstrap.process_layout_problem(cfg.world_size)
         if problem:
             from ..errors import NativeUnavailableError
@@ -113,22 +119,28 @@ class NvshmemBackend:
         bootstrap.init()
         self.cfg = cfg
         self.axis_name = axis_name
+        self.layout = layout
+        self.recv_rows = (recv_rows or cfg.max_recv_total) if layout == "packed" else None
         self._mod = native.module()
         # Creation is collective: every rank must ask for the same shape and settings, in the
         # same order. Checked through the key-value store first, so a difference is named, not
         # a hang (every rank publishes before any rank refuses).
         shape = (cfg.num_experts, cfg.experts_per_token, cfg.hidden, cfg.max_num_tokens,
-                 cfg.world_size, cfg.dp_size, cfg.dispatch_dtype.name, cfg.combine_dtype.name)
-        node_size = forced_node_size(tuning, cfg.world_size)
+                 cfg.world_size, cfg.dp_size, cfg.dispatch_dtype.name, cfg.combine_dtype.name,
+                 layout, self.recv_rows or 0, overflow)
         settings = dict({k: os.environ.get(k, "") for k in PROTOCOL_ENV},
                         num_blocks=tuning.num_blocks, warps_per_block=tuning.warps_per_block,
-                        staged_node_size=node_size, start_epoch=_start_epoch)
+                        transport=tuning.transport, node_size=tuning.node_size,
+                        start_epoch=_start_epoch)
         tag = bootstrap.next_collective_tag("handle")
         mine = json.dumps({"shape": shape, "settings": settings})
         everyone = [json.loads(v) for v in bootstrap.all_gather(tag + ":shape", mine)]
         problem = creation_mismatch(jax.process_index(), everyone)
         if problem:
             raise ValueError(f"AllToAll creation #{tag}: {problem}")
+        # After the agreement: a JMC_TRANSPORT this refuses is then refused on every rank alike
+        # (refused before it, one rank left the others waiting in the all_gather above).
+        node_size = forced_node_size(tuning, cfg.world_size)
         handle, error = self._mod.create_handle(
             num_experts=cfg.num_experts, k=cfg.experts_per_token, hidden=cfg.hidden,
             max_m=cfg.max_num_tokens, world=cfg.world_size, dp=cfg.dp_size,
@@ -136,7 +148,8 @@ class NvshmemBackend:
             out_bytes=cfg.combine_dtype.itemsize, timeout_ns=int(timeout_s * 1e9),
             num_blocks=tuning.num_blocks, warps=tuning.warps_per_block,
             staged=bootstrap.staged() or 0 < node_size < cfg.world_size,
-            staged_node_size=node_size, start_epoch=_start_epoch)
+            staged_node_size=node_size, start_epoch=_start_epoch,
+            packed_rows=self.recv_rows or 0, drop_overflow=overflow == "drop")
         if not handle:  # refused before anything collective happened (same on every rank)
             raise ValueError(f"cannot create the all-to-all handle: {error}")
         # Past the collective allocation: if any rank failed, every rank frees it together.
@@ -164,19 +177,28 @@ class NvshmemBackend:
             weights = jnp.zeros((cfg.max_num_tokens, 0), jnp.float32)
         return x, x_scale, indices, weights, num_tokens
 
+    def _rows(self) -> tuple[int, ...]:
+        """Leading shape of expert_x's rows: (L, R) padded, (C,) packed."""
+        cfg = self.cfg
+        if self.layout == "packed":
+            return (self.recv_rows,)
+        return (cfg.num_local_experts, cfg.max_recv_tokens)
+
     def _recv_results(self, like):
         cfg = self.cfg
-        L, R, H, S = cfg.num_local_experts, cfg.max_recv_tokens, cfg.hidden, cfg.num_scales
-        return (result_type(like, (L, R, H), cfg.dispatch_dtype),
-                result_type(like, (L, R, S), jnp.float32),
+        rows, L = self._rows(), cfg.num_local_experts
+        sources = (cfg.max_recv_total,) if self.layout == "packed" else rows
+        return (result_type(like, rows + (cfg.hidden,), cfg.dispatch_dtype),
+                result_type(like, rows + (cfg.num_scales,), jnp.float32),
                 result_type(like, (L,), jnp.int32),
-                result_type(like, (L, R), jnp.int32),
-                result_type(like, (L, R), jnp.float32))
+                result_type(like, sources, jnp.int32),
+                result_type(like, rows, jnp.float32),
+                result_type(like, (1,), jnp.int32))
 
     def _recv_outputs(self, outputs):
-        expert_x, scale, counts, source, expert_w = outputs
+        expert_x, scale, counts, source, expert_w, dropped = outputs
         return (expert_x, (scale if self.cfg.is_fp8 else None), counts,
-                Routing(counts, source), expert_w)
+                Routing(counts, source, dropped), expert_w, dropped)
 
     def dispatch_send(self, x, x_scale, indices, num_tokens, weights=None):
         return self._call("jmc_dispatch_send", self._ticket(x),
@@ -184,7 +206,8 @@ class NvshmemBackend:
                           side_effect=True)
 
     def dispatch_recv(self, ticket):
-        """(expert_x, expert_x_scale | None, expert_num_tokens, routing, expert_weights)."""
+        """(expert_x, expert_x_scale | None, expert_num_tokens, routing, expert_weights,
+        dropped_rows (1,)), in the handle's layout."""
         return self._recv_outputs(self._call("jmc_dispatch_recv", self._recv_results(ticket),
                                              ticket, side_effect=True))
 
@@ -196,7 +219,8 @@ class NvshmemBackend:
 
     def combine_send(self, expert_y, routing: Routing):
         return self._call("jmc_combine_send", self._ticket(expert_y), expert_y,
-                          routing.expert_num_tokens, routing.row_source, side_effect=True)
+                          routing.expert_num_tokens, routing.row_source, routing.dropped,
+                          side_effect=True)
 
     def _y_results(self, like, slot_rows):
         cfg = self.cfg
@@ -215,15 +239,31 @@ class NvshmemBackend:
                 slot_rows=False):
         """combine_send + combine_recv in one launch; combine_recv's results."""
         y, slots = self._call("jmc_combine", self._y_results(expert_y, slot_rows), expert_y,
-                              routing.expert_num_tokens, routing.row_source, indices, weights,
-                              num_tokens, side_effect=True)
+                              routing.expert_num_tokens, routing.row_source, routing.dropped,
+                              indices, weights, num_tokens, side_effect=True)
         return (y, slots) if slot_rows else y
 
-    def row_keys(self, routing: Routing):
-        """[L, R] int32: (group, token, slot) of each filled row, -1 past the counts."""
-        R = self.cfg.max_recv_tokens
-        filled = jnp.arange(R)[None, :] < routing.expert_num_tokens[:, None]
-        return jnp.where(filled, routing.row_source, -1)
+    def row_keys(self, routing: Routing, dropped: bool = False):
+        """(group, token, slot) key of each filled row, -1 past the counts: [L, R] padded,
+        [C] packed. dropped=True (packed): [max_recv_total - C], the keys of the rows dropped
+        past C this cycle, -1 past their number."""
+        if self.layout != "packed":
+            if dropped:
+                raise ValueError("row_keys(dropped=True) is for the packed layout")
+            R = self.cfg.max_recv_tokens
+            filled = jnp.arange(R)[None, :] < routing.expert_num_tokens[:, None]
+            return jnp.where(filled, routing.row_source, -1)
+        C = self.recv_rows
+        if dropped:
+            rest = routing.row_source[C:]
+            return jnp.where(jnp.arange(rest.shape[0]) < routing.dropped[0], rest, -1)
+        live = jnp.arange(C) < jnp.sum(routing.expert_num_tokens)
+        return jnp.where(live, routing.row_source[:C], -1)
+
+    def dropped_rows_total(self) -> int:
+        """Rows this rank dropped past the packed capacity since creation or recover()
+        (overflow "drop"); waits for the device."""
+        return int(self._mod.dropped_rows(self.handle)) if self._open else 0
 
     def barrier(self, dep):
         """On-stream barrier of every rank of this handle; returns a ticket ordered after dep."""
