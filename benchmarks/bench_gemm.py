@@ -20,10 +20,28 @@ Options (rows): einsum (padded), ragged_dot (packed, XLA's lowering), ragged_dot
 same with jax_ragged_dot_use_gpu_pallas_triton_lowering=True; its error recorded if it fails),
 tokamax (packed, tokamax's own choice of kernel; `impl` says which custom calls the compiled
 program holds), masked (padded, live rows gathered, tokamax's GEMM, scattered back).
+Diagnosis variants of tokamax (issue 24: wrong at 128 tokens per rank, right at 1 and 16),
+named tokamax[_<implementation>][_unfused]:
+  tokamax_unfused   SiLU outside tokamax: each GEMM with preferred_element_type=f32 and no
+                    activation=, SiLU in f32, then bf16 (tests "the fused activation is applied
+                    to partial sums of a split-K kernel picked at larger M");
+  tokamax_mosaic, tokamax_triton, tokamax_xla   tokamax's implementation= forced to that name
+                    (its IMPLEMENTATIONS; "mosaic" is the Mosaic GPU kernel, "xla" jax.lax's),
+                    e.g. tokamax_mosaic_unfused for both. A name tokamax lacks is recorded as the
+                    row's error.
+In the fwd+bwd op tokamax computes y with return_residuals (the activation applied outside the
+kernel), so err_y (fwd op, fused) beside err_y_fb (fwd+bwd op) separates the two as well.
 
-Each option is first checked against einsum on the same data: max |option - einsum| over the
-live rows of y, d x and the whole d w_in, d w_out, relative to max |einsum| per tensor; a row
-over --tol is marked incorrect (never a crash: every error is recorded in the row). Then
+Each option is first checked against einsum on the same data, per output: err_y (fwd op),
+err_y_fb, err_dx (live rows), err_dw_in, err_dw_out (whole): max |option - einsum| relative to
+max |einsum| of that tensor; err is their max, and a row over --tol is marked incorrect (never
+a crash: every error is recorded in the row). bad_rows_y / bad_rows_dx count the live rows whose
+own error passes --tol (relative to the tensor's max |einsum|), bad_experts_y lists up to 6
+experts with such rows as [expert, its rows, bad rows, first bad row] (to see whether only rows
+past a kernel tile, e.g. row 64, go wrong). group_sizes / group_min / group_max / groups_empty:
+the rows per local expert of the case; tokamax_config (tokamax rows): the kernel config its
+Mosaic GPU / Triton ragged_dot picks for the two forward GEMMs of the case (split_k shows there).
+Then
 fwd_us (y = silu(x w_in) w_out, bf16 in and out, f32 accumulation) and fwd_bwd_us (y and the
 gradients of x, w_in, w_out for a given cotangent) per op: one jitted lax.fori_loop runs the op
 N times (N sized to ~3 ms a call; its inputs pass an optimization barrier every iteration so
@@ -57,7 +75,9 @@ CONFIGS = {"V2Lite": (64, 6, 2048, 1408), "R1": (256, 8, 7168, 2048)}
 SMOKE_CONFIGS = {"tiny": (32, 4, 128, 256)}
 RANKS = 8
 HBM_BPS, PEAK_FLOPS = 4.0e12, 700e12
-OPTIONS = ("einsum", "ragged_dot", "ragged_dot_triton", "tokamax", "masked")
+OPTIONS = ("einsum", "ragged_dot", "ragged_dot_triton", "tokamax", "masked", "tokamax_unfused",
+           "tokamax_mosaic", "tokamax_xla", "tokamax_triton")
+TOKAMAX_IMPLS = ("mosaic", "triton", "xla", "mosaic_gpu")  # tokamax 0.0.17's names
 TRITON_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
 
 
@@ -66,7 +86,8 @@ def parse(argv):
     p.add_argument("--out", required=True, help="folder for gemm.json and gemm.md")
     p.add_argument("--configs", help=f"default: {','.join(CONFIGS)}")
     p.add_argument("--tokens", help="tokens per rank, default: 1,16,128")
-    p.add_argument("--options", default=",".join(OPTIONS))
+    p.add_argument("--options", default=",".join(OPTIONS[:5]),
+                   help=f"any of {', '.join(OPTIONS)}, or tokamax[_<implementation>][_unfused]")
     p.add_argument("--runs", type=int, default=20, help="timed calls per measurement (>= 20)")
     p.add_argument("--target-ms", type=float, default=3.0, help="device time of one call")
     p.add_argument("--tol", type=float, default=2e-2, help="max relative error vs einsum")
@@ -141,9 +162,70 @@ def option_fn(option):
         return "packed", lambda x, c, wi, wo: G.ragged_dot_mlp(x, c, wi, wo, **out)
     if option == "tokamax":
         return "packed", lambda x, c, wi, wo: G.tokamax_mlp(x, c, wi, wo, **out)
+    if option.startswith("tokamax_"):
+        impl, unfused = tokamax_variant(option)
+        if unfused:
+            return "packed", lambda x, c, wi, wo: tokamax_unfused_mlp(x, c, wi, wo, impl)
+        return "packed", lambda x, c, wi, wo: G.tokamax_mlp(x, c, wi, wo, implementation=impl,
+                                                            **out)
     if option == "masked":
         return "padded", lambda x, c, wi, wo: G.masked_mlp(x, c, wi, wo, **out)
     raise ValueError(f"unknown option {option!r}; expected one of {OPTIONS}")
+
+
+def tokamax_variant(option):
+    """tokamax[_<implementation>][_unfused] -> (implementation or None, unfused)."""
+    parts = option.split("_")[1:]
+    unfused = parts[-1:] == ["unfused"]
+    impl = "_".join(parts[:-1] if unfused else parts) or None
+    if impl is not None and impl not in TOKAMAX_IMPLS:
+        raise ValueError(f"option {option!r}: unknown tokamax implementation {impl!r}; "
+                         f"expected tokamax[_<one of {TOKAMAX_IMPLS}>][_unfused]")
+    return impl, unfused
+
+
+def tokamax_implementations():
+    """The implementation names the installed tokamax knows (None when it does not import)."""
+    try:
+        from tokamax._src.ops.ragged_dot import api
+        return sorted(api.IMPLEMENTATIONS) + ["mosaic"]
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def tokamax_config(case):
+    """{implementation:gemm: the kernel config tokamax picks} for the two forward GEMMs of the
+    case (block sizes, split_k, ...: autotuning cache, else its heuristics), or why not."""
+    try:
+        from tokamax._src.ops.ragged_dot import api
+    except Exception as e:  # noqa: BLE001
+        return {"error": short(e)}
+    out = {}
+    shapes = (("w_in", (case.T, case.H), case.w_in), ("w_out", (case.T, case.F), case.w_out))
+    for name in ("mosaic_gpu", "triton"):
+        op = api.IMPLEMENTATIONS.get(name)
+        if op is None or not hasattr(op, "bind"):
+            continue
+        for gemm, lhs, rhs in shapes:
+            try:
+                ba = op.bind(jax.ShapeDtypeStruct(lhs, bf16),
+                             jax.ShapeDtypeStruct(rhs.shape, bf16), group_sizes=case.counts,
+                             preferred_element_type=bf16)
+                cfg = ba.default_config
+                out[f"{name}:{gemm}"] = str(cfg() if callable(cfg) else cfg)[:300]
+            except Exception as e:  # noqa: BLE001
+                out[f"{name}:{gemm}"] = short(e)[:300]
+    return out
+
+
+def tokamax_unfused_mlp(x, c, w_in, w_out, implementation=None):
+    """tokamax's two GEMMs with nothing fused: f32 out, SiLU in f32 outside, then bf16."""
+    tk = G._require_tokamax()
+    gs = c.astype(jnp.int32)
+    kw = {} if implementation is None else {"implementation": implementation}
+    h = tk.ragged_dot(x, w_in, gs, preferred_element_type=f32, **kw)
+    h = jax.nn.silu(h).astype(bf16)
+    return tk.ragged_dot(h, w_out, gs, preferred_element_type=f32, **kw).astype(bf16)
 
 
 def fwd_op(mlp):
@@ -225,15 +307,45 @@ _unpack = jax.jit(unpack_rows, static_argnums=2)
 
 
 def errors(case, layout, outs, ref, padded=True):
-    """Relative error of each output against ref's (einsum's: rows padded [L, R, H]; with
+    """Max relative error of the outputs against ref's (einsum's: rows padded [L, R, H]; with
     padded=False, ref is in the layout of outs); y and d x over the live rows only."""
-    errs = []
-    for i, (o, r) in enumerate(zip(outs, ref)):
+    return max(output_errors(case, layout, outs, ref, padded).values())
+
+
+OUTPUT_NAMES = ("y", "dx", "dw_in", "dw_out")
+
+
+def output_errors(case, layout, outs, ref, padded=True, names=OUTPUT_NAMES):
+    """{name: relative error} of each output (names in order: y, d x, d w_in, d w_out)."""
+    errs = {}
+    for i, (o, r, name) in enumerate(zip(outs, ref, names)):
         if i < 2 and layout == "packed":  # y and d x come packed: unpack the live rows
             o = _unpack(o, case.counts, case.R)
             r = r if padded else _unpack(r, case.counts, case.R)
-        errs.append(float(_rel_err(o, r, case.counts if i < 2 else None)))
-    return max(errs)
+        errs[name] = float(_rel_err(o, r, case.counts if i < 2 else None))
+    return errs
+
+
+@jax.jit
+def _row_err(got, want, counts):
+    """[L, R] max |got - want| per live row / max |want| over the tensor (0 past the counts)."""
+    got, want = got.astype(f32), want.astype(f32)
+    live = jnp.arange(got.shape[1])[None, :] < counts[:, None]
+    d = jnp.where(live, jnp.max(jnp.abs(got - want), axis=-1), 0)
+    d = jnp.where(jnp.isfinite(d), d, jnp.inf)
+    scale = jnp.max(jnp.where(live[..., None], jnp.abs(want), 0))
+    return d / jnp.maximum(scale, 1e-30)
+
+
+def bad_rows(case, layout, got, want, tol):
+    """(live rows over tol, [[expert, rows, bad rows, first bad row]] for up to 6 experts)."""
+    if layout == "packed":
+        got = _unpack(got, case.counts, case.R)
+    err = np.asarray(_row_err(got, want, case.counts))
+    bad = err > tol
+    experts = [[int(e), int(case.counts_np[e]), int(bad[e].sum()), int(np.argmax(bad[e]))]
+               for e in np.flatnonzero(bad.any(axis=1))[:6]]
+    return int(bad.sum()), experts
 
 
 def shard_map_check(option, case, tol):
@@ -258,12 +370,17 @@ def short(e: BaseException) -> str:
 
 
 def bench_option(case, option, ref, known_errors):
+    gs = case.counts_np
     row = dict(config=case.name, tokens=case.tokens, option=option, L=case.L, live_rows=case.live,
                padded_rows=case.L * case.R, packed_rows=case.T, impl="", fwd_us=None,
                fwd_bwd_us=None, floor_us=round(case.floor_us, 2),
                floor_fwd_bwd_us=round(case.floor_fwd_bwd_us, 2),
                weight_read_us=round(case.weight_us, 2), flop_us=round(case.flop_us, 2),
-               err=None, correct=None, shard_map="", error="")
+               group_min=int(gs.min()), group_max=int(gs.max()),
+               groups_empty=int((gs == 0).sum()), group_sizes=[int(v) for v in gs],
+               err=None, err_y=None, err_y_fb=None, err_dx=None, err_dw_in=None,
+               err_dw_out=None, bad_rows_y=None, bad_experts_y=None, bad_rows_dx=None,
+               correct=None, shard_map="", error="")
     if option in known_errors:  # the same failure at every shape: not tried again
         row["error"] = known_errors[option]
         return row, None
@@ -277,6 +394,8 @@ def bench_option(case, option, ref, known_errors):
             flag_set = True
         layout, mlp = option_fn(option)
         args = case.args(layout)
+        if option.startswith("tokamax"):
+            row["tokamax_config"] = tokamax_config(case)
         target = ARGS.target_ms / 1e3
         fwd_s, fwd_out, impl = measure(fwd_op(mlp), args, ARGS.runs, target)
         row["fwd_us"] = round(fwd_s * 1e6, 2)
@@ -287,16 +406,27 @@ def bench_option(case, option, ref, known_errors):
             row["impl"] = f"gather+{G.masked_inner()}({row['impl']})+scatter"
         if ref is None:
             ref = fb_out  # einsum: the reference
-        err = max(errors(case, layout, fwd_out, ref[:1]), errors(case, layout, fb_out, ref))
+        errs = output_errors(case, layout, fwd_out, ref[:1])
+        errs.update(output_errors(case, layout, fb_out, ref,
+                                  names=("y_fb", "dx", "dw_in", "dw_out")))
+        for name, v in errs.items():
+            row[f"err_{name}"] = float(f"{v:.3g}")
+        row["bad_rows_y"], row["bad_experts_y"] = bad_rows(case, layout, fwd_out[0], ref[0],
+                                                           ARGS.tol)
+        row["bad_rows_dx"], _ = bad_rows(case, layout, fb_out[1], ref[1], ARGS.tol)
+        err = max(errs.values())
         row["err"] = float(f"{err:.3g}")
         row["correct"] = bool(err <= ARGS.tol)
         if not row["correct"]:
-            row["error"] = f"incorrect: relative error {err:.3g} > {ARGS.tol}"
+            worst = max(errs, key=errs.get)
+            row["error"] = (f"incorrect: relative error {err:.3g} > {ARGS.tol} (worst: {worst}; "
+                            + ", ".join(f"{k} {v:.3g}" for k, v in errs.items()) + ")")
         return row, fb_out
     except Exception as e:  # noqa: BLE001 -- recorded, never a crash
         row["error"] = short(e)
         if isinstance(e, ImportError) or (option == "ragged_dot_triton" and not isinstance(
-                e, getattr(jax.errors, "JaxRuntimeError", ()))):
+                e, getattr(jax.errors, "JaxRuntimeError", ()))) or (
+                option.startswith("tokamax_") and "implementation" in str(e).lower()):
             known_errors[option] = row["error"]  # not a size problem: the same everywhere
         return row, None
     finally:
@@ -311,6 +441,7 @@ def device_meta():
                 jax=jax.__version__, platform=d.platform,
                 device=getattr(d, "device_kind", str(d)),
                 tokamax=getattr(tk, "__version__", None), tokamax_problem=why,
+                tokamax_implementations=tokamax_implementations(),
                 masked_inner=G.masked_inner(), gpu_auto=G.GPU_AUTO, runs=ARGS.runs,
                 target_ms=ARGS.target_ms, tol=ARGS.tol, hbm_bps=HBM_BPS,
                 peak_flops=PEAK_FLOPS, ranks=RANKS)
@@ -326,13 +457,24 @@ def markdown(meta, rows):
            f"{' (' + meta['tokamax_problem'] + ')' if meta['tokamax_problem'] else ''}; "
            f"median of {meta['runs']} calls; floor = max(weights once / 4.0e12 B/s, "
            "FLOPs / 700e12).", "",
-           "| config | tokens | live rows | option | impl | fwd µs | fwd+bwd µs | floor µs "
-           "| floor fwd+bwd µs | rel err | error |", "|" + "---|" * 11]
+           "| config | tokens | live rows | rows per expert min-max (empty) | option | impl | "
+           "fwd µs | fwd+bwd µs | floor µs | floor fwd+bwd µs | rel err | y | y (fwd+bwd) | "
+           "d x | d w_in | d w_out | bad rows y / d x | bad experts y [e, rows, bad, first] | "
+           "error |", "|" + "---|" * 19]
+
+    def e(v):
+        return "" if v is None else v
+
     for r in rows:
-        out.append(f"| {r['config']} | {r['tokens']} | {r['live_rows']} | {r['option']} | "
-                   f"{r['impl']} | {fmt(r['fwd_us'])} | {fmt(r['fwd_bwd_us'])} | "
+        groups = "" if r.get("group_min") is None else \
+            f"{r['group_min']}-{r['group_max']} ({r['groups_empty']})"
+        bad = "" if r.get("bad_rows_y") is None else f"{r['bad_rows_y']} / {r['bad_rows_dx']}"
+        out.append(f"| {r['config']} | {r['tokens']} | {r['live_rows']} | {groups} | "
+                   f"{r['option']} | {r['impl']} | {fmt(r['fwd_us'])} | {fmt(r['fwd_bwd_us'])} | "
                    f"{fmt(r['floor_us'], 2)} | {fmt(r['floor_fwd_bwd_us'], 2)} | "
-                   f"{'' if r['err'] is None else r['err']} | "
+                   f"{e(r['err'])} | {e(r.get('err_y'))} | {e(r.get('err_y_fb'))} | "
+                   f"{e(r.get('err_dx'))} | {e(r.get('err_dw_in'))} | {e(r.get('err_dw_out'))} | "
+                   f"{bad} | {e(r.get('bad_experts_y'))} | "
                    f"{r['error'].replace('|', '/')[:200]} |")
     for name, text in meta.get("shard_map", {}).items():
         out.append(f"\nunder shard_map, {name}: {text or 'matches'}")
@@ -369,7 +511,7 @@ def main():
                           f"floor {fmt(row['floor_us'], 2):>7s} err {row['err']} {row['impl']} "
                           f"{row['error'][:160]}", flush=True)
                 if option not in shard_map and option != "ragged_dot_triton" \
-                        and not row["error"]:
+                        and not option.startswith("tokamax_") and not row["error"]:
                     try:  # once per option, at the first shape
                         shard_map[option] = shard_map_check(option, case, ARGS.tol)
                     except Exception as e:  # noqa: BLE001

@@ -216,6 +216,11 @@ std::string validate_shape(const Shape& s) {
     return "packed_rows (max_recv_rows) must be in [1, " + std::to_string(s.max_recv_rows()) +
            "], or 0 for the padded layout";
   if (s.drop_overflow != 0 && s.drop_overflow != 1) return "drop_overflow must be 0 or 1";
+  if (s.expert_rows < 0 || s.expert_rows > s.max_recv_tokens())
+    return "expert_rows (expert_capacity) must be in [1, " +
+           std::to_string(s.max_recv_tokens()) + "], or 0 for the worst case";
+  if (s.expert_rows > 0 && s.packed())
+    return "expert_rows (expert_capacity) is for the padded layout, packed_rows for packed";
   return "";
 }
 
@@ -423,8 +428,9 @@ const char* what_name(uint32_t what) {
                                 "an expert row",
                                 "the cycle number",
                                 "expert_num_tokens",
-                                "its row count"};
-  return what < 8 ? kWhat[what] : "?";
+                                "its row count",
+                                "a local expert's rows"};
+  return what < 9 ? kWhat[what] : "?";
 }
 
 const char* code_name(uint32_t code) {
@@ -516,6 +522,13 @@ std::string describe_error(const ErrorRecord& rec, int rank) {
              "replayed a recorded launch); it did nothing, and the step's outputs on this rank "
              "are not data (y is NaN)";
     case kCapacityExceeded:
+      if (rec.what == kWhatExpertRows)  // padded: seen = rows past the per-expert capacity
+        return "CapacityExceeded: " + where + std::to_string(rec.seen) +
+               " expert rows arrived past expert_capacity=" + std::to_string(rec.expected) +
+               " (per local expert) this cycle; they were not written and the handle stopped "
+               "(overflow='fail'; recover() restarts it). Raise expert_capacity "
+               "(MoEConfig.rows_per_expert_for with a larger capacity factor), or create the "
+               "handle with overflow='drop' to drop such rows and go on";
       return "CapacityExceeded: " + where + std::to_string(rec.seen) +
              " expert rows arrived this cycle, more than max_recv_rows=" +
              std::to_string(rec.expected) + "; the " + std::to_string(rec.seen - rec.expected) +

@@ -92,9 +92,9 @@ NB_MODULE(_native, m) {
       [](int num_experts, int k, int hidden, int max_m, int world, int dp, int in_bytes,
          int num_scales, int out_bytes, uint64_t timeout_ns, int num_blocks, int warps,
          bool staged, int staged_node_size, uint64_t start_epoch, int packed_rows,
-         bool drop_overflow) {
+         bool drop_overflow, int expert_rows) {
         jmc::Shape s{num_experts, k, hidden, max_m, world, dp, in_bytes, num_scales, out_bytes,
-                     packed_rows, drop_overflow ? 1 : 0};
+                     packed_rows, drop_overflow ? 1 : 0, expert_rows};
         int64_t id = 0;
         // (id, "") on success; (id, why) when this rank's part failed after the collective
         // step (the caller destroys it on every rank); (0, why) for a bad shape.
@@ -106,7 +106,8 @@ NB_MODULE(_native, m) {
       nb::arg("world"), nb::arg("dp"), nb::arg("in_bytes"), nb::arg("num_scales"),
       nb::arg("out_bytes"), nb::arg("timeout_ns"), nb::arg("num_blocks"), nb::arg("warps"),
       nb::arg("staged"), nb::arg("staged_node_size") = 0, nb::arg("start_epoch") = 0,
-      nb::arg("packed_rows") = 0, nb::arg("drop_overflow") = false);
+      nb::arg("packed_rows") = 0, nb::arg("drop_overflow") = false,
+      nb::arg("expert_rows") = 0);
   m.def("destroy_handle", [](int64_t id) { raise_if(jmc::destroy_handle(id)); });
   // Collective: back to a clean cycle 1 after an error (handle.h).
   m.def("recover_handle", [](int64_t id) { raise_if(jmc::recover_handle(id)); });

@@ -13,7 +13,7 @@ from .api import (CHECKPOINT_NAME, AllToAll, DispatchOutput, PendingCombine, Pen
 from .config import KernelTuning, MoEConfig
 from . import expert_gemm
 from .expert_gemm import expert_mlp
-from .errors import (CorruptDataError, InvalidRoutingError, MoECommError,
+from .errors import (CapacityExceededError, CorruptDataError, InvalidRoutingError, MoECommError,
                      NativeUnavailableError, PeerAbortedError, PeerTimeoutError, ProtocolError,
                      ReferenceFallbackWarning)
 from .bootstrap import finalize, init
@@ -23,7 +23,7 @@ __all__ = [
     "PendingDispatch", "resolve_backend",
     "KernelTuning", "MoEConfig", "InvalidRoutingError", "MoECommError",
     "NativeUnavailableError", "PeerTimeoutError", "ProtocolError", "PeerAbortedError",
-    "CorruptDataError", "ReferenceFallbackWarning", "init", "finalize", "expert_gemm",
-    "expert_mlp", "distributed",
+    "CorruptDataError", "CapacityExceededError", "ReferenceFallbackWarning", "init",
+    "finalize", "expert_gemm", "expert_mlp", "distributed",
 ]
 __version__ = "0.2.0"

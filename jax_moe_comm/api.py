@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import autodiff as ad
 from . import quant
@@ -22,9 +23,13 @@ from .errors import NativeUnavailableError, ProtocolError, ReferenceFallbackWarn
 BACKENDS = ("auto", "reference", "nvshmem")
 # "padded": expert_x [L, max_recv, H], each local expert's rows padded to the worst case, for
 # grouped-GEMM kernels that take a batch of equal-size groups. "packed": expert_x
-# [max_recv_total, H] with the rows of local expert 0, then 1, ... contiguous (group_sizes
-# [L] says how many), for jax.lax.ragged_dot.
+# [max_recv_rows, H] with the rows of local expert 0, then 1, ... contiguous (group_sizes
+# [L] says how many), for jax.lax.ragged_dot; max_recv_rows is a capacity, at most
+# max_recv_total (the worst case).
 LAYOUTS = ("padded", "packed")
+# What a packed capacity does with the rows that arrive past it (they are never written):
+# "fail" records a CapacityExceededError that check() raises; "drop" only counts them.
+OVERFLOWS = ("fail", "drop")
 
 # Every output of dispatch_recv and combine_recv (and what their gradient rules save) carries
 # this jax.checkpoint name, so that a remat policy can keep them and never recompute an
@@ -44,17 +49,22 @@ class DispatchOutput(NamedTuple):
         and when dequantised.
       expert_x_scale: [L, max_recv, H/128] f32 for fp8 dispatch of fp8 x, else None.
       expert_weights: [L, max_recv] f32.
-    layout="packed":
-      expert_x: [max_recv_total, H]: the live rows of local expert 0, then of expert 1, ...
-        (group_sizes[e] rows each, the ragged_dot layout); rows >= sum(group_sizes) are zero.
-      expert_x_scale: [max_recv_total, H/128] f32 for fp8 dispatch of fp8 x, packed the same
-        way, else None.
-      expert_weights: [max_recv_total] f32, packed the same way.
-    expert_num_tokens: [L] int32, rows received per local expert (also `group_sizes`).
+    layout="packed" (C = AllToAll.max_recv_rows, the capacity):
+      expert_x: [C, H]: the rows of local expert 0, then of expert 1, ... (group_sizes[e]
+        rows each, the ragged_dot layout; sum(group_sizes) <= C); rows >= sum(group_sizes)
+        are undefined, except zero on a differentiable handle, on the reference backend and
+        when dequantised.
+      expert_x_scale: [C, H/128] f32 for fp8 dispatch of fp8 x, packed the same way, else
+        None.
+      expert_weights: [C] f32, packed the same way.
+    expert_num_tokens: [L] int32, rows held per local expert (also `group_sizes`).
     routing: opaque; hand it to combine unchanged.
     expert_weights: the router weight of the slot that produced each row (repeated experts
       merged; zero past the counts), only when dispatch_send was given weights, else None; it
       carries no gradient (weight in combine to train the router).
+    dropped_rows: int32 (1,): rows that arrived at this rank but did not fit the packed
+      capacity (always 0 when it is the worst case, and for padded). They are not in
+      expert_x; combine counts their slots as expert outputs of zero.
 
     L = num_experts / world_size, max_recv = max_num_tokens * num_token_groups,
     max_recv_total = max_recv * min(experts_per_token, L) (MoEConfig properties).
@@ -65,6 +75,7 @@ class DispatchOutput(NamedTuple):
     expert_num_tokens: jax.Array
     routing: Any
     expert_weights: jax.Array | None = None
+    dropped_rows: jax.Array | None = None
 
     @property
     def group_sizes(self) -> jax.Array:
@@ -76,7 +87,7 @@ class Routing(NamedTuple):
     """DispatchOutput.routing: where each expert_x row came from. Opaque to callers."""
 
     backend: Any  # the backend's own record
-    expert_num_tokens: jax.Array  # [L] int32: where each expert's rows start when packed
+    expert_num_tokens: jax.Array  # [L] int32: the counts dispatch returned
 
 
 class PendingDispatch(NamedTuple):
@@ -309,8 +320,19 @@ class AllToAll:
       num_tokens: int32 of shape (1,) (a global [world_size] array) or () (rows >=
       num_tokens are ignored; it may change every step with no recompilation).
 
-    layout: "padded" gives expert_x [L, max_recv, H]; "packed" gives [max_recv_total, H] with
-    each local expert's rows contiguous, for jax.lax.ragged_dot (see DispatchOutput).
+    layout: "padded" gives expert_x [L, max_recv, H]; "packed" gives [max_recv_rows, H] with
+    each local expert's rows contiguous, for jax.lax.ragged_dot (see DispatchOutput), written
+    so by the backend (no padded intermediate).
+
+    max_recv_rows (packed only): the capacity C, packed rows per rank, in [1,
+    config.max_recv_total]. None: max_recv_total, the worst case (nothing can overflow).
+    config.recv_rows_for(capacity_factor) sizes it from the mean load under uniform routing;
+    expert_x then takes C*H instead of L*max_recv*H. overflow: what happens to the rows that
+    arrive past C (they are never written; the highest local experts' rows go first):
+    "fail" (default) records a CapacityExceededError (check() raises it; it stays until
+    recover()), "drop" drops them without an error. Either way a dropped slot adds nothing to
+    y (as if its expert's output were zero) and gets a zero weight gradient;
+    DispatchOutput.dropped_rows and dropped_rows() count them.
 
     Every wait for a peer is bounded by `timeout_s`; a peer that never answers surfaces as
     PeerTimeoutError (from check(), or from the next call on the handle).
@@ -329,12 +351,13 @@ class AllToAll:
     differentiate dispatch (w.r.t. x) and combine (w.r.t. expert_y and weights); padding rows
     of expert_x are then zero. Without it, differentiating raises at trace time. Forward-mode
     (jax.jvp) and jax.vmap are not supported. Rules and DP/fp8 semantics: autodiff.py. Both
-    layouts: the rules work on the padded rows, and the packed layout is a differentiable
-    gather from them (pack_rows; combine's expert_y goes back through unpack_rows).
+    layouts, with any capacity: the backward handles have the forward's layout (a packed
+    combine backward at the worst-case capacity: it drops nothing).
     """
 
     def __init__(self, config: MoEConfig, *, axis_name: str = "ep", backend: str = "auto",
-                 layout: str = "padded", tuning: KernelTuning | None = None,
+                 layout: str = "padded", max_recv_rows: int | None = None,
+                 overflow: str = "fail", tuning: KernelTuning | None = None,
                  timeout_s: float = 30.0, differentiable: bool = False):
         if _under_trace():
             raise ProtocolError(
@@ -349,39 +372,56 @@ class AllToAll:
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout={layout!r}; expected one of {LAYOUTS}: 'padded' gives "
-                             "expert_x [L, max_recv, H], 'packed' [max_recv_total, H] for "
+                             "expert_x [L, max_recv, H], 'packed' [max_recv_rows, H] for "
                              "jax.lax.ragged_dot")
+        if overflow not in OVERFLOWS:
+            raise ValueError(f"overflow={overflow!r}; expected one of {OVERFLOWS}: 'fail' "
+                             "(check() raises CapacityExceededError when rows arrive past "
+                             "max_recv_rows) or 'drop' (they are dropped, counted)")
         self.config = config
         self.axis_name = axis_name
         self.layout = layout
+        # Packed rows per rank (None for padded): the backends write no more than this.
+        self.max_recv_rows = _check_recv_rows(config, layout, max_recv_rows)
+        self.overflow = overflow
         self.backend_name = resolve_backend(backend, config)
         self._tuning, self._timeout_s = tuning or KernelTuning.DEFAULT, timeout_s
         self._backends = []  # every handle this object owns, closed together
         try:
-            fwd = self._make_backend(config)
+            fwd = self._make_backend(config, self.max_recv_rows)
             dispatch_grad = combine_grad = None
             if differentiable:
                 # Handle creation is collective: here, eagerly, never while tracing.
                 bwd = dataclasses.replace(config, dispatch_dtype=jnp.bfloat16,
                                           combine_dtype=jnp.float32)
-                dispatch_grad = combine_grad = self._make_backend(bwd)
-                if config.dp_size > 1:
-                    combine_grad = self._make_backend(dataclasses.replace(bwd, token_replicas=1))
+                # Its combine half reads d expert_x in the forward's rows: same capacity.
+                dispatch_grad = combine_grad = self._make_backend(bwd, self.max_recv_rows)
+                # dy is dispatched by every DP member (dp_size 1) and must drop nothing (the
+                # worst-case rows): a second handle unless dispatch_grad is that already.
+                drops_nothing = layout == "padded" or self.max_recv_rows == config.max_recv_total
+                if config.dp_size > 1 or not drops_nothing:
+                    dp1 = dataclasses.replace(bwd, token_replicas=1)
+                    combine_grad = self._make_backend(
+                        dp1, dp1.max_recv_total if layout == "packed" else None)
         except BaseException:
             for b in self._backends:
                 b.close()
             raise
         self._backend = fwd
-        self._plan = ad.Plan(config, axis_name, fwd, dispatch_grad, combine_grad)
+        self._plan = ad.Plan(config, axis_name, ad.Rows.of(config, layout, self.max_recv_rows),
+                             fwd, dispatch_grad, combine_grad)
         self._closed = False
         self._serial = next(_HANDLE_SERIALS)
         self._dispatch_order, self._combine_order = _Half("dispatch"), _Half("combine")
 
-    def _make_backend(self, config: MoEConfig):
+    def _make_backend(self, config: MoEConfig, recv_rows: int | None = None):
+        """A backend of this handle's layout and overflow; recv_rows: its packed capacity
+        (None for padded)."""
+        layout = dict(layout=self.layout, recv_rows=recv_rows, overflow=self.overflow)
         if self.backend_name == "reference":
             from .backends.reference import ReferenceBackend
 
-            backend = ReferenceBackend(config, self.axis_name)
+            backend = ReferenceBackend(config, self.axis_name, **layout)
         else:
             from .backends import nvshmem
 
@@ -389,7 +429,7 @@ class AllToAll:
             if problem:
                 raise NativeUnavailableError(problem)
             backend = nvshmem.NvshmemBackend(config, self.axis_name, self._tuning,
-                                             self._timeout_s)
+                                             self._timeout_s, **layout)
             ad.allow_remat_of_ffi_calls()  # jax.checkpoint saves the all-to-alls' outputs
         self._backends.append(backend)
         return backend
@@ -430,15 +470,23 @@ class AllToAll:
         backward buffers of a differentiable handle)."""
         return sum(b.symmetric_bytes for b in self._backends)
 
+    def dropped_rows(self) -> int:
+        """Rows that the packed capacity (max_recv_rows) dropped on this process's ranks since
+        creation or recover(), with either overflow setting, over the dispatches that have
+        run (read it after their results); 0 when nothing can drop."""
+        return self._backend.dropped_rows_total()
+
     def check(self) -> None:
         """Wait for the device, then raise the first error recorded on this handle:
         InvalidRoutingError (bad expert index or num_tokens of a live row; the slot was
-        skipped), PeerTimeoutError, PeerAbortedError (a peer failed first), CorruptDataError,
-        or ProtocolError (a half's send and recv out of order, or a compiled step replayed
-        after close()); also for the backward handles of a differentiable handle. On the GPU
-        the error stays recorded and every later check() raises it again, until recover()
-        (every later cycle on the handle does nothing and writes NaN rows of y). Under XLA
-        command buffers a replayed step runs no handler code, so its errors reach the host
+        skipped), CapacityExceededError (overflow="fail": rows arrived past max_recv_rows; they
+        were not written), PeerTimeoutError, PeerAbortedError (a peer failed first),
+        CorruptDataError, or ProtocolError (a half's send and recv out of order, or a compiled
+        step replayed after close()); also for the backward handles of a differentiable
+        handle. On the GPU the error stays recorded and every later check() raises it again,
+        until recover() (every later cycle on the handle does nothing and writes NaN rows of
+        y); on the reference backend a CapacityExceededError or ProtocolError stays too. Under
+        XLA command buffers a replayed step runs no handler code, so its errors reach the host
         only here or in poll(): a decode loop should poll() every step or check() every few."""
         for b in self._backends:
             check = getattr(b, "check", None)
@@ -528,15 +576,10 @@ class AllToAll:
         self._dispatch_order.recv(pending.serial)
         a = pending.args
         dequantize = self.config.is_fp8 and a.x_scale is None
-        expert_x, scale, counts, routing, ew = _named(ad.dispatch_recv(
+        expert_x, scale, counts, routing, ew, dropped = _named(ad.dispatch_recv(
             self._plan, dequantize, pending.state, a.x, a.x_scale, a.indices, a.num_tokens,
             a.weights))
-        if self.layout == "packed":
-            total = self.config.max_recv_total
-            expert_x = pack_rows(expert_x, counts, total)
-            scale = None if scale is None else pack_rows(scale, counts, total)
-            ew = None if ew is None else pack_rows(ew, counts, total)
-        return DispatchOutput(expert_x, scale, counts, Routing(routing, counts), ew)
+        return DispatchOutput(expert_x, scale, counts, Routing(routing, counts), ew, dropped)
 
     def dispatch(self, x, indices, num_tokens, *, x_scale=None, weights=None) -> DispatchOutput:
         """dispatch_send then dispatch_recv, with nothing between: the nvshmem backend runs
@@ -549,7 +592,7 @@ class AllToAll:
         """Start sending every expert output row back to its token's home rank(s).
 
         expert_y: combine dtype, in the handle's layout: [L, max_recv, H] ("padded") or
-        [max_recv_total, H] ("packed"), row for row as dispatch laid out expert_x.
+        [max_recv_rows, H] ("packed"), row for row as dispatch laid out expert_x.
         routing: the DispatchOutput.routing of that dispatch.
         """
         return self._combine_send(expert_y, routing, fused=False)
@@ -561,14 +604,10 @@ class AllToAll:
             raise TypeError(f"routing must be the DispatchOutput.routing that dispatch (or "
                             f"dispatch_recv) returned, passed unchanged; got "
                             f"{type(routing).__name__}")
-        L, R, H = cfg.num_local_experts, cfg.max_recv_tokens, cfg.hidden
-        if self.layout == "packed":
-            rt.check_array("expert_y", expert_y, (cfg.max_recv_total, H), cfg.combine_dtype,
-                           hint="layout='packed': one row per expert_x row")
-            expert_y = unpack_rows(expert_y, routing.expert_num_tokens, R)
-        else:
-            rt.check_array("expert_y", expert_y, (L, R, H), cfg.combine_dtype,
-                           hint="layout='padded': one row per expert_x row")
+        rows = self._plan.rows
+        shape = (rows.count,) if rows.packed else (cfg.num_local_experts, rows.count)
+        rt.check_array("expert_y", expert_y, shape + (cfg.hidden,), cfg.combine_dtype,
+                       hint=f"layout={self.layout!r}: one row per expert_x row")
         serial = self._combine_order.send(fused)
         state = ad.combine_send(self._plan, expert_y, routing.backend, fused)
         return PendingCombine(state, ad.CombineArgs(expert_y, routing.backend), self._serial,
@@ -601,9 +640,29 @@ class AllToAll:
                                  weights, num_tokens)
 
 
-# -- packed layout ---------------------------------------------------------------------------
-# Done here, once for every backend, as a gather from the padded layout (a kernel could write
-# it directly later: the API would not change).
+def _check_recv_rows(config: MoEConfig, layout: str, max_recv_rows) -> int | None:
+    """The packed capacity AllToAll(max_recv_rows=...) stands for; None for padded."""
+    if layout != "packed":
+        if max_recv_rows is not None:
+            raise ValueError(f"max_recv_rows={max_recv_rows!r} is a capacity of the packed "
+                             f"layout; this handle has layout={layout!r}, whose rows per "
+                             "expert are always the worst case. Pass layout='packed' with it")
+        return None
+    if max_recv_rows is None:
+        return config.max_recv_total
+    if isinstance(max_recv_rows, bool) or not isinstance(max_recv_rows, (int, np.integer)) \
+            or not 1 <= max_recv_rows <= config.max_recv_total:
+        raise ValueError(
+            f"max_recv_rows={max_recv_rows!r} must be an int in [1, max_recv_total="
+            f"{config.max_recv_total}] (packed rows per rank; the worst case, max_recv_total, "
+            f"is the default). config.recv_rows_for(capacity_factor) sizes it from the mean "
+            f"load, expected_recv_rows={config.expected_recv_rows}")
+    return int(max_recv_rows)
+
+
+# -- packed layout helpers ---------------------------------------------------------------------
+# The backends write the packed layout themselves; these convert between it and the padded
+# one for code that computes on the other layout (expert_gemm.py).
 def _packed_rows(counts, total: int, rows_per_expert: int):
     """For packed rows i < total: (local expert, row within it, live)."""
     counts = jnp.minimum(counts, rows_per_expert)

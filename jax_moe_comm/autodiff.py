@@ -31,13 +31,21 @@ and f32 combine:
     forward dispatch's routing (the row layout it describes is the forward handle's).
   * `combine_grad`: dp_size 1, so that every member of a DP group sends its own dy (the fan-in
     above; with the forward's dp_size only one member would); its DISPATCH half carries dy.
-    When the forward has dp_size 1, both are one handle (its two halves are independent).
+    When the forward has dp_size 1, both are one handle (its two halves are independent),
+    unless the forward is packed with a capacity below the worst case (see Layouts).
 Why not the forward handle: XLA orders ops by data only, and nothing orders a layer's backward
 all-to-alls against forward cycles that do not feed it (a rematerialised forward, or other
 work the user puts in the same jit): on one handle XLA could put two cycles in flight. On
 separate handles that is harmless. Within the backward, each handle half is used by one layer
 at a time: layer i's backward needs layer i+1's d x, which is the recv of layer i+1's last
 backward all-to-all; and the forward cycles of a sequential model all precede the loss.
+
+Layouts. Every handle of a plan has the forward's layout. dispatch_grad also has its capacity
+(packed rows per rank, `recv_rows`): its combine half reads d expert_x in the forward's rows.
+combine_grad has the worst-case capacity, so its dispatch of dy drops nothing (which rows a
+capacity drops may differ from one dispatch to the next); its rows are matched to the
+forward's by key, so the result is in the forward's layout. A row the forward dropped is in
+no layout: its slot gets no d x, no d expert_y and a zero d weight (its y term was zero).
 
 jax.checkpoint: on the nvshmem backend the all-to-alls run once in the forward pass and their
 outputs are saved (the remat rule of backends/ffi_call.py; allow_remat_of_ffi_calls where that
@@ -87,15 +95,38 @@ NEEDS_BACKWARD = ("{op} is being differentiated, but this AllToAll has no backwa
                   "outside jit, on every process)")
 
 
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """How a handle lays out dispatch's rows: `padded` [L, R] (R = max_recv_tokens) or packed
+    [recv_rows]."""
+
+    packed: bool
+    count: int  # R (padded: rows per local expert) or recv_rows (packed: rows in all)
+
+    @classmethod
+    def of(cls, cfg: MoEConfig, layout: str, recv_rows: int | None = None) -> "Rows":
+        if layout == "packed":
+            return cls(True, recv_rows or cfg.max_recv_total)
+        return cls(False, cfg.max_recv_tokens)
+
+    def live(self, counts):
+        """Mask of the rows that hold data: [L, R] r < counts[e], or [recv_rows] i <
+        sum(counts) (packed rows are contiguous)."""
+        if self.packed:
+            return jnp.arange(self.count) < jnp.sum(counts)
+        return _live_rows(counts, self.count)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a static custom_vjp arg
 class Plan:
     """The backends the rules run on (see the module docstring)."""
 
     cfg: MoEConfig
     axis_name: Any
+    rows: Rows  # the forward's layout (and dispatch_grad's)
     fwd: Any
-    dispatch_grad: Any | None = None  # combine half carries d x (forward dp_size)
-    combine_grad: Any | None = None  # dispatch half carries dy (dp_size 1)
+    dispatch_grad: Any | None = None  # combine half carries d x (forward dp_size and rows)
+    combine_grad: Any | None = None  # dispatch half carries dy (dp_size 1, worst case)
 
     @property
     def differentiable(self) -> bool:
@@ -215,11 +246,11 @@ def dispatch_send(plan: Plan, x, x_scale, indices, num_tokens, weights, fused: b
 def _dispatch_out(plan: Plan, dequantize: bool, has_weights: bool, state):
     state = no_vmap("dispatch_recv", state)[0]
     if isinstance(state, FusedDispatch):
-        ex, scale, counts, routing, ew = plan.fwd.dispatch(
+        ex, scale, counts, routing, ew, dropped = plan.fwd.dispatch(
             state.x, state.x_scale, state.indices, state.num_tokens, weights=state.weights)
     else:
-        ex, scale, counts, routing, ew = plan.fwd.dispatch_recv(state)
-    live = _live_rows(counts, plan.cfg.max_recv_tokens)
+        ex, scale, counts, routing, ew, dropped = plan.fwd.dispatch_recv(state)
+    live = plan.rows.live(counts)
     if dequantize:  # writes every row anyway: masking is free
         ex = _zero_past(live, quant.dequantize(ex, scale)).astype(jnp.bfloat16)
         scale = None
@@ -227,15 +258,15 @@ def _dispatch_out(plan: Plan, dequantize: bool, has_weights: bool, state):
         ex = _zero_past(live, ex)
         scale = None if scale is None else _zero_past(live, scale)
     ew = _zero_past(live, ew) if has_weights else None  # undefined past the counts on nvshmem
-    return ex, scale, counts, routing, ew
+    return ex, scale, counts, routing, ew, dropped
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _dispatch_recv(plan: Plan, dequantize: bool, state, x, x_scale, indices, num_tokens,
                    weights):
-    """(expert_x, expert_x_scale, expert_num_tokens, routing, expert_weights) of the dispatch
-    that `state` is in flight for; x, x_scale, weights are that dispatch's inputs, taken here
-    only so that their gradient has a rule (the primal does not read them)."""
+    """(expert_x, expert_x_scale, expert_num_tokens, routing, expert_weights, dropped) of the
+    dispatch that `state` is in flight for; x, x_scale, weights are that dispatch's inputs,
+    taken here only so that their gradient has a rule (the primal does not read them)."""
     return _dispatch_out(plan, dequantize, weights is not None, state)
 
 
@@ -273,7 +304,7 @@ def _dispatch_fwd(plan, dequantize, state, x, x_scale, indices, num_tokens, weig
 
 
 def _dispatch_bwd(plan, dequantize, res: _DispatchRes, cts):
-    ct_x, _, _, _, ct_w = cts
+    ct_x, _, _, _, ct_w, _ = cts
     if res.check_ew and not _is_zero(ct_w):
         raise ValueError(
             "DispatchOutput.expert_weights carries no gradient back to the router weights: "
@@ -297,7 +328,7 @@ def dispatch_grad(plan: Plan, ct_expert_x, routing, counts, indices, num_tokens)
     dispatch_grad handle with the forward routing; weights 1 on the slots this rank sent, 0
     elsewhere (its DP partners get theirs), so the sum runs in f32 and adds nothing twice."""
     cfg, backend = plan.cfg, plan.dispatch_grad
-    ct = _zero_past(_live_rows(counts, cfg.max_recv_tokens), ct_expert_x.astype(jnp.float32))
+    ct = _zero_past(plan.rows.live(counts), ct_expert_x.astype(jnp.float32))
     ct, routing, indices, num_tokens = no_vmap("dispatch (backward)", ct, routing, indices,
                                                num_tokens)
     pending = backend.combine_send(ct, routing)
@@ -385,34 +416,32 @@ combine_recv = jax.jit(_combine_recv, static_argnums=(0,))  # staged, as dispatc
 
 
 def combine_grad(plan: Plan, dy, routing, indices, weights, num_tokens):
-    """d expert_y [L, R, H] f32: dy dispatched (bf16, with the forward's routing and weights)
-    on the dispatch half of the combine_grad handle (dp_size 1: every DP member sends its own
-    dy), each arriving row scaled by its weight, then moved to the row of the forward layout
-    with the same (group, token, slot) key. Row order within an expert differs between two
-    dispatches on the nvshmem backend, hence the keys; a forward row gets one arriving row
-    per member of its token's DP group, summed in f32."""
+    """d expert_y f32 in the forward's layout ([L, R, H] or [recv_rows, H]): dy dispatched
+    (bf16, with the forward's routing and weights) on the dispatch half of the combine_grad
+    handle (dp_size 1: every DP member sends its own dy; worst-case rows: none dropped), each
+    arriving row scaled by its weight, then moved to the forward row with the same (group,
+    token, slot) key. Row order differs between two dispatches on the nvshmem backend, hence
+    the keys; a forward row gets one arriving row per member of its token's DP group, summed
+    in f32. Keys are unique on a rank across its experts, so one flat table matches them."""
     cfg, backend = plan.cfg, plan.combine_grad
     dy, indices, num_tokens, weights = no_vmap("combine (backward)", dy.astype(jnp.bfloat16),
                                                indices, num_tokens, weights)
     pending = backend.dispatch_send(dy, None, indices, num_tokens, weights=weights)
-    rows, _, counts, routing_b, ew = backend.dispatch_recv(pending)
-    keys_b = backend.row_keys(routing_b)  # [L, Rb], groups of the dp-1 handle = ranks
-    keys_f = plan.fwd.row_keys(routing)  # [L, R], -1 past the forward counts
-    L, Rb = keys_b.shape
+    rows, _, _, routing_b, ew, _ = backend.dispatch_recv(pending)
+    keys_b = backend.row_keys(routing_b).reshape(-1)  # groups of the dp-1 handle = ranks
+    keys_f = plan.fwd.row_keys(routing)  # forward layout, -1 where no row
+    rows, ew = rows.reshape(keys_b.shape + rows.shape[-1:]), ew.reshape(-1)
     dp, span = cfg.dp_size, cfg.max_num_tokens * cfg.experts_per_token
     space = cfg.world_size * span  # every key of the dp-1 handle
-    e = jnp.arange(L)[:, None]
-    live_b = _live_rows(counts, Rb) & (keys_b >= 0)
-    slot_of = jnp.full((L, space), -1, jnp.int32).at[e, jnp.where(live_b, keys_b, space)].set(
-        jnp.broadcast_to(jnp.arange(Rb, dtype=jnp.int32), (L, Rb)), mode="drop")
+    slot_of = jnp.full((space,), -1, jnp.int32).at[jnp.where(keys_b >= 0, keys_b, space)].set(
+        jnp.arange(keys_b.shape[0], dtype=jnp.int32), mode="drop")
     group, rest = keys_f // span, keys_f % span
     out = jnp.zeros(keys_f.shape + (cfg.hidden,), jnp.float32)
     for member in range(dp):  # the forward group's members are ranks group*dp + member
         key_b = (group * dp + member) * span + rest
-        i = jnp.where(keys_f >= 0, slot_of[e, jnp.clip(key_b, 0, space - 1)], -1)
-        ic = jnp.clip(i, 0)
-        row = jnp.take_along_axis(rows, ic[..., None], axis=1).astype(jnp.float32)
-        w = jnp.take_along_axis(ew, ic, axis=1)
+        i = jnp.where(keys_f >= 0, slot_of[jnp.clip(key_b, 0, space - 1)], -1)
+        row = rows[jnp.clip(i, 0)].astype(jnp.float32)
+        w = ew[jnp.clip(i, 0)]
         out = out + jnp.where((i >= 0)[..., None], w[..., None] * row, 0.0)
     return out
 

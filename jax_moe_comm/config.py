@@ -14,6 +14,8 @@ import numpy as np
 SCALE_BLOCK = 128
 # Every token row travels as whole 16-byte vectors.
 ROW_ALIGN_BYTES = 16
+# recv_rows_for rounds a capacity up to a multiple of this many rows (whole GEMM tiles).
+RECV_ROWS_ALIGN = 8
 
 DISPATCH_DTYPES = (jnp.bfloat16, jnp.float8_e4m3fn)
 COMBINE_DTYPES = (jnp.bfloat16, jnp.float32)
@@ -32,6 +34,16 @@ def _check_dtype(name: str, dtype: Any, allowed: tuple) -> Any:
         names = ", ".join(_dtype_name(a) for a in allowed)
         raise TypeError(f"{name}={dt.name} is not supported; expected one of: {names}")
     return dt
+
+
+def check_capacity_factor(capacity_factor) -> float:
+    """capacity_factor as a float, or a ValueError: it must be finite and > 0."""
+    if isinstance(capacity_factor, bool) or not isinstance(
+            capacity_factor, (int, float, np.integer, np.floating)) or \
+            not math.isfinite(capacity_factor) or not capacity_factor > 0:
+        raise ValueError(f"capacity_factor={capacity_factor!r} must be a finite number > 0 "
+                         "(1.0: rows for the mean load under uniform routing)")
+    return float(capacity_factor)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -127,6 +139,22 @@ class MoEConfig:
     def max_recv_total(self) -> int:
         """Rows of the packed layout: a token brings at most min(k, L) rows to one rank."""
         return self.max_recv_tokens * min(self.experts_per_token, self.num_local_experts)
+
+    @property
+    def expected_recv_rows(self) -> int:
+        """Rows a rank receives on average when routing is uniform: every token group's
+        max_m tokens times k slots, spread over the world_size ranks. The unit of a capacity
+        factor (recv_rows_for)."""
+        slots = self.num_token_groups * self.max_num_tokens * self.experts_per_token
+        return -(-slots // self.world_size)
+
+    def recv_rows_for(self, capacity_factor: float) -> int:
+        """Packed rows per rank for a capacity factor (AllToAll(max_recv_rows=...)):
+        capacity_factor * expected_recv_rows, rounded up to a multiple of 8, at most
+        max_recv_total (the worst case, where nothing can overflow). 1.0 holds exactly the
+        mean load; real routing is skewed, so leave headroom (e.g. 1.25-2)."""
+        rows = math.ceil(check_capacity_factor(capacity_factor) * self.expected_recv_rows)
+        return min(self.max_recv_total, -(-rows // RECV_ROWS_ALIGN) * RECV_ROWS_ALIGN)
 
     @property
     def num_scales(self) -> int:

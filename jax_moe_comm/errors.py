@@ -23,17 +23,19 @@ class CorruptDataError(MoECommError):
     dropped instead of being written out of bounds."""
 
 
+class CapacityExceededError(MoECommError):
+    """More rows arrived at a rank than the packed layout's capacity (AllToAll(max_recv_rows=
+    ...)) holds, with overflow="fail". The rows past the capacity were not written; the message
+    names the rank, the rows that arrived and the capacity. The error stays recorded until
+    recover(). Raise max_recv_rows (or the capacity factor), or pass overflow="drop"."""
+
+
 class ProtocolError(MoECommError):
     """The API was misused: a recv without its send, two sends in flight on one handle,
     another handle's pending, a call on a closed handle, a handle created while tracing.
     Raised at trace time where the traced function shows it, else by check() (the kernels
     refuse the launch; the handle is then unusable until recover() on every rank, or close
     it and create a new one)."""
-
-
-class CapacityExceededError(MoECommError):
-    """More expert rows reached a rank than the packed layout's max_recv_rows, with
-    overflow="fail": the rows past it were not written and the handle stopped until recover()."""
 
 
 class NativeUnavailableError(MoECommError):

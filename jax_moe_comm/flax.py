@@ -122,6 +122,8 @@ class MoE(nnx.Module):
       LOGICAL_AXES as `logical_axes` metadata), so nnx.eval_shape, sharded init and Orbax
       restore place them without creating the handle.
     backend, layout, differentiable, expert_gemm, fp8_dispatch: as AllToAll / MoELayerConfig.
+    capacity_factor, overflow (layout="packed"): as MoELayerConfig: each handle's packed rows
+      per rank are capacity_factor times its budget's mean load (MoEConfig.recv_rows_for).
     eager_handles: create the handles now when not tracing (else: create_handles(model)).
     """
 
@@ -134,7 +136,8 @@ class MoE(nnx.Module):
                  param_dtype: Any = jnp.float32, expert_init=None, kernel_init=None,
                  router_init=None, fp8_dispatch: bool = False, backend: str = "auto",
                  layout: str = "packed", differentiable: bool = True,
-                 expert_gemm: str = "auto", eager_handles: bool = True, rngs: nnx.Rngs):
+                 expert_gemm: str = "auto", capacity_factor: float | None = None,
+                 overflow: str = "fail", eager_handles: bool = True, rngs: nnx.Rngs):
         self.mesh = mesh
         self.expert_axes, self.data_axes = self._check_axes(mesh, expert_axis, axis_name,
                                                             data_axes)
@@ -152,9 +155,11 @@ class MoE(nnx.Module):
         self.layer = MoELayerConfig(num_experts=num_experts, experts_per_token=experts_per_token,
                                     hidden=hidden, ffn=ffn, max_num_tokens=self.budgets[-1],
                                     shared_expert=shared_expert, fp8_dispatch=fp8_dispatch,
-                                    expert_gemm=expert_gemm)
+                                    expert_gemm=expert_gemm, capacity_factor=capacity_factor,
+                                    overflow=overflow)
         self.ep = int(np.prod([mesh.shape[a] for a in self.expert_axes]))
         self.comm = self.layer.comm_config(self.ep)  # validates E % EP, H, k
+        self.layer.handle_kwargs(self.ep, layout)  # validates the capacity for the layout
         self.backend_arg, self.layout, self.differentiable = backend, layout, differentiable
         self.handles = _Handles()
 
@@ -226,7 +231,14 @@ class MoE(nnx.Module):
     def handle_key(self, budget: int) -> tuple:
         """Layers with equal keys can share a handle (create_handles does)."""
         return (dataclasses.replace(self.comm, max_num_tokens=budget), self.expert_axes,
-                self.mesh, self.backend_arg, self.layout, self.differentiable)
+                self.mesh, self.backend_arg, self.differentiable,
+                tuple(sorted(self._handle_kwargs(budget).items())))
+
+    def _handle_kwargs(self, budget: int) -> dict:
+        """AllToAll's layout arguments for the handle of `budget` tokens per rank (its
+        capacity scales with the budget)."""
+        layer = dataclasses.replace(self.layer, max_num_tokens=budget)
+        return layer.handle_kwargs(self.ep, self.layout)
 
     def create_handles(self, shared: dict | None = None) -> None:
         """Create this layer's handles (collective: every process, same order; outside any
@@ -244,8 +256,8 @@ class MoE(nnx.Module):
             a2a = None if shared is None else shared.get(key)
             if a2a is None:
                 a2a = AllToAll(key[0], axis_name=_spec_entry(self.expert_axes),
-                               backend=self.backend_arg, layout=self.layout,
-                               differentiable=self.differentiable)
+                               backend=self.backend_arg, differentiable=self.differentiable,
+                               **self._handle_kwargs(budget))
                 if shared is not None:
                     shared[key] = a2a
             self.handles.by_budget[budget] = a2a

@@ -17,8 +17,8 @@ import numpy as np
 
 from . import expert_gemm as gemm
 from . import quant
-from .api import AllToAll, order_after
-from .config import MoEConfig
+from .api import OVERFLOWS, AllToAll, order_after
+from .config import MoEConfig, check_capacity_factor
 
 # The fp8 block quantization now lives in quant.py (dispatch quantizes bf16 x itself).
 FP8_MAX = quant.FP8_MAX
@@ -37,15 +37,38 @@ class MoELayerConfig:
     dp_size: int = 1  # ranks per DP group (they hold the same tokens)
     # how the expert MLPs' GEMMs run: expert_gemm.OPTIONS ("auto": fastest on the platform)
     expert_gemm: str = "auto"
+    # Packed rows per rank as a multiple of the mean load (MoEConfig.recv_rows_for); None:
+    # the worst case, nothing drops. Packed layout only. overflow: AllToAll's, for the rows
+    # past that capacity ("fail": check() raises; "drop": their slots add nothing to y).
+    capacity_factor: float | None = None
+    overflow: str = "fail"
 
     def __post_init__(self):
         gemm.check_option(self.expert_gemm)
+        if self.capacity_factor is not None:
+            check_capacity_factor(self.capacity_factor)
+        if self.overflow not in OVERFLOWS:
+            raise ValueError(f"overflow={self.overflow!r}; expected one of {OVERFLOWS}")
 
     def comm_config(self, world_size: int) -> MoEConfig:
         return MoEConfig(num_experts=self.num_experts, experts_per_token=self.experts_per_token,
                          hidden=self.hidden, max_num_tokens=self.max_num_tokens,
                          world_size=world_size, dp_size=self.dp_size,
                          dispatch_dtype=jnp.float8_e4m3fn if self.fp8_dispatch else jnp.bfloat16)
+
+    def handle_kwargs(self, world_size: int, layout: str) -> dict:
+        """AllToAll keyword arguments for this layer on world_size ranks in `layout`: the
+        layout, and the packed capacity of capacity_factor with its overflow policy.
+        AllToAll(cfg.comm_config(world), **cfg.handle_kwargs(world, layout), ...)."""
+        kwargs = dict(layout=layout, overflow=self.overflow)
+        if self.capacity_factor is not None:
+            if layout != "packed":
+                raise ValueError(f"capacity_factor={self.capacity_factor} sizes the packed "
+                                 f"layout's rows; layout={layout!r} always holds the worst "
+                                 "case. Use layout='packed', or capacity_factor=None")
+            kwargs["max_recv_rows"] = self.comm_config(world_size).recv_rows_for(
+                self.capacity_factor)
+        return kwargs
 
 
 def init_params(cfg: MoELayerConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -87,9 +110,11 @@ def experts_forward(a2a: AllToAll, params, out, expert_gemm: str = "auto"):
     if out.expert_x_scale is not None:
         ex = dequantize_fp8(ex, out.expert_x_scale).astype(jnp.bfloat16)
     cfg = a2a.config
+    # total_rows sizes the packed view of padded rows ("masked"): at most the capacity
+    total_rows = a2a.max_recv_rows or cfg.max_recv_total
     return gemm.expert_mlp(ex, out.expert_num_tokens, params["w_in"], params["w_out"],
                            expert_gemm, out_dtype=cfg.combine_dtype,
-                           rows_per_expert=cfg.max_recv_tokens, total_rows=cfg.max_recv_total)
+                           rows_per_expert=cfg.max_recv_tokens, total_rows=total_rows)
 
 
 def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens, drop=None,

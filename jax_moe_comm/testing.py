@@ -126,15 +126,17 @@ def check_dispatch(cfg: MoEConfig, inp: Inputs, rank: int, expert_x, expert_x_sc
                                  f"{extra} unexpected rows (of {counts[e]})")
 
 
-def unpack(cfg: MoEConfig, expert_x, expert_num_tokens):
-    """Packed-layout rows [max_recv_total, ...] -> padded [L, max_recv, ...] (numpy), after
-    asserting that rows past sum(group_sizes) are zero."""
+def unpack(cfg: MoEConfig, expert_x, expert_num_tokens, zero_tail: bool = True):
+    """Packed-layout rows [max_recv_rows, ...] -> padded [L, max_recv, ...] (numpy), after
+    asserting that sum(group_sizes) rows fit and (zero_tail: the reference backend's
+    promise) that the rows past them are zero."""
     ex, counts = np.asarray(expert_x), np.asarray(expert_num_tokens)
-    assert ex.shape[0] == cfg.max_recv_total, ex.shape
+    assert ex.shape[0] <= cfg.max_recv_total, ex.shape
     ends = np.cumsum(counts)
-    assert ends[-1] <= cfg.max_recv_total, counts
+    assert ends[-1] <= ex.shape[0], (counts, ex.shape)
     tail = ex[ends[-1]:]
-    assert not np.any(tail.astype(np.float32)), "packed rows past sum(group_sizes) not zero"
+    assert not zero_tail or not np.any(tail.astype(np.float32)), \
+        "packed rows past sum(group_sizes) not zero"
     out = np.zeros((cfg.num_local_experts, cfg.max_recv_tokens) + ex.shape[1:], ex.dtype)
     for e, (end, n) in enumerate(zip(ends, counts)):
         out[e, :n] = ex[end - n:end]
@@ -167,6 +169,29 @@ def combine_wrong(cfg: MoEConfig, y, x, ids, w, nt) -> jax.Array:
     want = jnp.where(jnp.arange(cfg.max_num_tokens)[:, None] < nt, want, 0.0)
     wrong = jnp.abs(y.astype(jnp.float32) - want) > 0.02 * jnp.abs(want) + 0.05
     return jnp.any(wrong).astype(jnp.int32)
+
+
+def without_slots(cfg: MoEConfig, inp: Inputs, keys) -> Inputs:
+    """inp with the slots of `keys` (routing.row_key(group, token, slot); -1 entries ignored)
+    routed nowhere on every member of their DP group, with the slots of the token that name
+    the same expert (they were one row): the oracle's inputs for a dispatch whose capacity
+    dropped those rows (backend.row_keys(routing, dropped=True))."""
+    m, k, dp = cfg.max_num_tokens, cfg.experts_per_token, cfg.dp_size
+    indices = inp.indices.copy()
+    for key in np.asarray(keys).reshape(-1):
+        if key < 0:
+            continue
+        g, t, j = key // (m * k), key // k % m, key % k
+        members = indices[g * dp:(g + 1) * dp, t]  # a view: edits land in `indices`
+        members[members == members[0, j]] = -1
+    return dataclasses.replace(inp, indices=indices)
+
+
+def capacity_counts(arrived: np.ndarray, capacity: int) -> np.ndarray:
+    """Rows a packed capacity keeps per local expert when `arrived` [L] rows arrive: the
+    packed positions < capacity in expert order (the highest experts' rows drop first)."""
+    starts = np.cumsum(arrived) - arrived
+    return np.clip(capacity - starts, 0, arrived)
 
 
 def expected_y(cfg: MoEConfig, inp: Inputs, rank: int) -> np.ndarray:
@@ -218,8 +243,16 @@ def global_inputs(cfg: MoEConfig, mesh, inp: Inputs):
     return put(inp.x), scale, put(inp.indices), put(inp.weights), put(inp.num_tokens)
 
 
-def make_step(a2a: AllToAll, mesh, split: bool = False):
-    """jit(shard_map) of dispatch -> test experts -> combine; returns every output per rank."""
+def can_drop(a2a: AllToAll) -> bool:
+    """Whether the handle's packed capacity is below the worst case (rows can drop)."""
+    return a2a.layout == "packed" and a2a.max_recv_rows < a2a.config.max_recv_total
+
+
+def make_step(a2a: AllToAll, mesh, split: bool = False, dropped: bool = False):
+    """jit(shard_map) of dispatch -> test experts -> combine; returns every output per rank:
+    (expert_x, scales, counts, y), and with dropped=True (a handle that can_drop) also the
+    keys of the dropped rows ([max_recv_total - max_recv_rows] per rank) and their number
+    ((1,) per rank)."""
     cfg = a2a.config
     axis = mesh.axis_names[0]
     spec = P(axis)
@@ -242,6 +275,9 @@ def make_step(a2a: AllToAll, mesh, split: bool = False):
         scale = out.expert_x_scale
         if scale is None:
             scale = jnp.zeros(out.expert_x.shape[:-1] + (0,), jnp.float32)
+        if dropped:
+            keys = a2a.backend.row_keys(out.routing.backend, dropped=True)
+            return out.expert_x, scale, out.expert_num_tokens, y, keys, out.dropped_rows
         return out.expert_x, scale, out.expert_num_tokens, y
 
     def step(x, x_scale, indices, weights, num_tokens):
@@ -251,7 +287,7 @@ def make_step(a2a: AllToAll, mesh, split: bool = False):
         else:
             fn, args = body, (x, x_scale, indices, weights, num_tokens)
         mapped = jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec for _ in args),
-                               out_specs=(spec, spec, spec, spec))
+                               out_specs=(spec,) * (6 if dropped else 4))
         return mapped(*args)
 
     return jax.jit(step)
@@ -267,22 +303,44 @@ def local_blocks(arr, per_rank: int) -> dict[int, np.ndarray]:
 
 
 def run_and_check(a2a: AllToAll, mesh, inp: Inputs, split: bool = False, step=None) -> float:
-    """One step on every rank; checks this process's ranks; returns the max combine error."""
+    """One step on every rank; checks this process's ranks; returns the max combine error.
+
+    On a handle whose packed capacity can drop rows, the step must be make_step(...,
+    dropped=True): each rank must keep exactly capacity_counts of the rows that arrive and
+    report the rest by key; dispatch and combine are then checked against the inputs without
+    the dropped slots (combine only when every rank is on this process: it needs every
+    rank's keys)."""
     cfg = a2a.config
-    step = step or make_step(a2a, mesh, split)
-    ex, exs, counts, y = step(*global_inputs(cfg, mesh, inp))
+    drops = can_drop(a2a)
+    step = step or make_step(a2a, mesh, split, dropped=drops)
+    ex, exs, counts, y, *dropped = step(*global_inputs(cfg, mesh, inp))
     L, m = cfg.num_local_experts, cfg.max_num_tokens
-    rows = cfg.max_recv_total if a2a.layout == "packed" else L
+    rows = a2a.max_recv_rows if a2a.layout == "packed" else L
     ex_b, exs_b, c_b, y_b = (local_blocks(ex, rows), local_blocks(exs, rows),
                              local_blocks(counts, L), local_blocks(y, m))
+    expect = inp
+    if drops:
+        keys_b = local_blocks(dropped[0], cfg.max_recv_total - a2a.max_recv_rows)
+        n_b = local_blocks(dropped[1], 1)
+        for rank in sorted(keys_b):
+            arrived = [sum(c.values()) for c in expected_rows(cfg, inp, rank).values()]
+            kept = capacity_counts(np.array(arrived), a2a.max_recv_rows)
+            np.testing.assert_array_equal(c_b[rank], kept,
+                                          err_msg=f"rank {rank}: rows kept per expert")
+            n = int(n_b[rank][0])
+            assert n == sum(arrived) - kept.sum() == int((keys_b[rank] >= 0).sum()), \
+                (rank, n, sum(arrived), kept, keys_b[rank])
+        expect = without_slots(cfg, inp, np.concatenate(list(keys_b.values())))
     worst = 0.0
     for rank in sorted(y_b):
         ex_r, scales = ex_b[rank], (exs_b[rank] if cfg.is_fp8 else None)
-        if a2a.layout == "packed":
-            ex_r = unpack(cfg, ex_r, c_b[rank])
-            scales = None if scales is None else unpack(cfg, scales, c_b[rank])
-        check_dispatch(cfg, inp, rank, ex_r, scales, c_b[rank])
-        worst = max(worst, check_combine(cfg, inp, rank, y_b[rank]))
+        if a2a.layout == "packed":  # the tail is undefined on nvshmem inference handles
+            zero = a2a.backend_name == "reference" or a2a.differentiable
+            ex_r = unpack(cfg, ex_r, c_b[rank], zero)
+            scales = None if scales is None else unpack(cfg, scales, c_b[rank], zero)
+        check_dispatch(cfg, expect, rank, ex_r, scales, c_b[rank])
+        if not drops or len(y_b) == cfg.world_size:
+            worst = max(worst, check_combine(cfg, expect, rank, y_b[rank]))
     return worst
 
 
@@ -360,30 +418,36 @@ def make_grad_step(a2a: AllToAll, mesh, split: bool = False, plain: bool = False
 
     plain=True: plain-JAX autodiff of the reference backend's ops instead of the rules (the
     ground truth); on an fp8 handle, of a bf16 reference backend after quant.fake_quantize.
+    Either in the handle's layout and capacity (a packed capacity drops the same rows on the
+    reference backend whatever the dtype: the choice depends on the routing only).
     """
     cfg = a2a.config
     axis = mesh.axis_names[0]
     spec = P(axis)
+    packed = a2a.layout == "packed"
     if plain:
         from . import quant, routing as rt
         from .backends.reference import ReferenceBackend
 
         bf16_cfg = dataclasses.replace(cfg, dispatch_dtype=jnp.bfloat16)
-        ref = ReferenceBackend(bf16_cfg, axis, check_routing=False)
+        ref = ReferenceBackend(bf16_cfg, axis, check_routing=False, layout=a2a.layout,
+                               recv_rows=a2a.max_recv_rows, overflow="drop")
 
     def layer(x, indices, weights, nt):
         rank = jax.lax.axis_index(axis)
         if plain:
             first, merged = rt.merge_repeats(indices, weights)
             xq = quant.fake_quantize(x) if cfg.is_fp8 else x
-            ex, _, _, routing, _ = ref.dispatch_recv(ref.dispatch_send(xq, None, first, nt))
-            ey = expert_outputs(cfg, rank, ex, None)
+            ex, _, counts, routing, _, _ = ref.dispatch_recv(ref.dispatch_send(xq, None, first,
+                                                                               nt))
+            ey = expert_outputs(cfg, rank, ex, None, counts if packed else None)
             return ref.combine_recv(ref.combine_send(ey, routing), first, merged, nt)
         if split:
             out = a2a.dispatch_recv(a2a.dispatch_send(x, indices, nt))
         else:
             out = a2a.dispatch(x, indices, nt)
-        ey = expert_outputs(cfg, rank, out.expert_x, out.expert_x_scale)
+        ey = expert_outputs(cfg, rank, out.expert_x, out.expert_x_scale,
+                            out.group_sizes if packed else None)
         if split:
             return a2a.combine_recv(a2a.combine_send(ey, out.routing), indices, weights, nt)
         return a2a.combine(ey, out.routing, indices, weights, nt)
@@ -412,20 +476,22 @@ def grad_inputs(cfg: MoEConfig, mesh, inp: Inputs, G: np.ndarray):
 
 
 def check_grads_against_oracle(a2a: AllToAll, mesh, inp: Inputs, G: np.ndarray, step=None,
-                               split: bool = False) -> float:
-    """Runs make_grad_step; asserts this process's ranks' gradients against expected_grads;
-    returns the max abs error relative to the largest expected value."""
+                               split: bool = False, expect: Inputs | None = None) -> float:
+    """Runs make_grad_step; asserts this process's ranks' gradients against expected_grads
+    of `expect` (default inp; without_slots(inp, ...) when a capacity drops rows); returns
+    the max abs error relative to the largest expected value."""
     cfg = a2a.config
     step = step or make_grad_step(a2a, mesh, split)
     dx, dw, y = step(*grad_inputs(cfg, mesh, inp, G))
+    expect = inp if expect is None else expect
     m = cfg.max_num_tokens
     dx_b, dw_b, y_b = local_blocks(dx, m), local_blocks(dw, m), local_blocks(y, m)
     x_bf16 = differentiable_x(cfg, inp)
     worst = 0.0
     for rank in sorted(dx_b):
-        want_dx, want_dw = expected_grads(cfg, inp, x_bf16, G, rank)
+        want_dx, want_dw = expected_grads(cfg, expect, x_bf16, G, rank)
         # The forward first: a wrong y is a dispatch/combine bug, not a gradient rule's.
-        for name, got, want in (("forward y", y_b[rank], differentiable_y(cfg, inp, x_bf16,
+        for name, got, want in (("forward y", y_b[rank], differentiable_y(cfg, expect, x_bf16,
                                                                           rank)),
                                 ("d x", dx_b[rank], want_dx), ("d weights", dw_b[rank],
                                                                  want_dw)):

@@ -7,6 +7,10 @@
 # the server suite with command buffers off).
 #   GIT_COMMIT=abc1234 bash scripts/gpu_final.sh
 #   GIT_COMMIT=abc1234 STEPS="server_n2 soak_n2 memcheck_n2" BUDGET=500 bash scripts/gpu_final.sh
+# Issue 24's figures (the layer step against its floor at 8 ranks, and the grouped-GEMM
+# diagnosis on one process; tokamax from the wheels in .whl/, carried with the tree):
+#   GIT_COMMIT=abc1234 STEPS="layer_n8 gemm_n1" BUDGET=560 bash scripts/gpu_final.sh
+#   -> $OUT/layer_n8.{json,md,png}, $OUT/gemm.{json,md}, summary.txt, final_logs.tgz
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_logs}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
@@ -23,10 +27,18 @@ step() {  # name, limit, command...
   [ "$limit" -gt "$left" ] && limit=$left
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
-  { grep -E "PASS|FAIL|SUITE PASSED|SUITE FAILED|SOAK|per token|latency|logits|ERROR SUMMARY|RACECHECK SUMMARY|us/cycle|graph " "$LOGS/$name.log" \
+  { grep -E "PASS|FAIL|SUITE PASSED|SUITE FAILED|SOAK|per token|latency|logits|ERROR SUMMARY|RACECHECK SUMMARY|us/cycle|graph |ratio |fwd\+bwd|bench_layer:|bench_gemm:" "$LOGS/$name.log" \
       | grep -v "JAX detected proxy" | head -40
     echo "-- $name rc=$rc in $(( $(date +%s) - t0 )) s"; } | tee -a "$OUT/summary.txt"
   tar czf "$OUT/final_logs.tgz" -C /tmp final_logs  # kept as it goes: a cut call keeps it
+}
+left() { echo $(( BUDGET - $(date +%s) + START )); }
+TK_SITE=/tmp/site
+tokamax_site() {  # tokamax and what it needs, carried as wheels in .whl/ (no registry there)
+  if [ -d "$ROOT/.whl" ] && [ ! -d "$TK_SITE/tokamax" ]; then
+    $PY -m pip install -q --no-index --no-deps --target "$TK_SITE" "$ROOT"/.whl/*.whl \
+      > "$LOGS/whl.log" 2>&1 || echo "-- .whl install failed (tokamax rows say why)" | tee -a "$OUT/summary.txt"
+  fi
 }
 echo "== commit ${GIT_COMMIT:?set GIT_COMMIT}, $(date -u +%FT%TZ)"
 bash "$ROOT/scripts/gpu_build.sh" || exit 1
@@ -60,8 +72,28 @@ for s in $STEPS; do
       --tokens ${LOOP_TOKENS:-1,16,128} --calls 0 --timeline 0 --variants graph \
       --out "$OUT/${s//[@:]/_}.json" ;;
   flax) step $s 240 "${E[@]}" $(L $n 230) $PY "$ROOT/tests/gpu_flax_worker.py" ${FLAX_ARGS:-} ;;
+  layout)  # packed layout, capacity drop/fail (issue 24), NaN weights, the layer on both layouts
+    step $s 240 "${E[@]}" $(L $n 230) $PY "$ROOT/tests/gpu_layout_worker.py" --quick ;;
   parity) step $s 200 "${E[@]}" $(L $n 190) $PY "$ROOT/tests/gpu_parity_worker.py" ;;
   decode) step $s 240 "${E[@]}" $(L $n 230) $PY "$ROOT/examples/deepseek_decode.py" ${DECODE_ARGS:-} ;;
+  layer)  # issue 24: the layer step vs its floor; rows not started within its budget are
+    # recorded as skipped (it leaves GEMM_RESERVE s for a gemm step after it)
+    tokamax_site
+    reserve=0; [[ " $STEPS " == *" gemm_n"* ]] && reserve=${GEMM_RESERVE:-170}
+    lb=$(( $(left) - reserve - 45 )); [ "$lb" -gt "${LAYER_BUDGET:-300}" ] && lb=${LAYER_BUDGET:-300}
+    [ "$lb" -lt 30 ] && lb=30
+    step $s $(( lb + 45 )) "${E[@]}" PYTHONPATH="$TK_SITE${PYTHONPATH:+:$PYTHONPATH}" \
+      $(L $n $(( lb + 40 ))) $PY "$ROOT/benchmarks/bench_layer.py" \
+      --tokens ${LAYER_TOKENS:-1,16,128,512,1024,2048,4096} --budget-s $lb \
+      --commit "$GIT_COMMIT" --name "${s//[@:]/_}" --out "$OUT" ${LAYER_ARGS:-} ;;
+  gemm)  # issue 24: grouped-GEMM options on one process with each output's error (tokamax was
+    # wrong at 128 tokens: 128 first); tokamax = its Mosaic kernel on the H200, _xla its XLA path
+    tokamax_site
+    gb=$(( $(left) - 30 )); [ "$gb" -gt "${GEMM_BUDGET:-150}" ] && gb=${GEMM_BUDGET:-150}
+    step $s $(( gb + 40 )) "${E[@]}" PYTHONPATH="$TK_SITE${PYTHONPATH:+:$PYTHONPATH}" \
+      $PY "$ROOT/benchmarks/bench_gemm.py" --configs V2Lite,R1 --tokens ${GEMM_TOKENS:-128,16,1} \
+      --options ${GEMM_OPTIONS:-einsum,tokamax,tokamax_unfused,tokamax_xla,tokamax_triton} \
+      --budget-s $gb --out "$OUT" ${GEMM_ARGS:-} ;;
   *) echo "-- unknown step $s" | tee -a "$OUT/summary.txt" ;;
   esac
 done

@@ -270,8 +270,8 @@ def capacity_loop(a2a, mesh, cycles: int, split: bool = False):
             return (jnp.maximum(worst, err), rows_dropped + out.dropped_rows.reshape(()),
                     slots_dropped + lost)
 
-        zero = jnp.zeros((), jnp.int32)
-        carry = jax.lax.fori_loop(0, cycles, cycle, (jnp.zeros((), f32), zero, zero))
+        zero = jnp.zeros_like(start.reshape(()))  # varying over "ep", as the carry becomes
+        carry = jax.lax.fori_loop(0, cycles, cycle, (zero.astype(f32), zero, zero))
         return tuple(v.reshape(1) for v in carry)
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"), P("ep")),

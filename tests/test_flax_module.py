@@ -99,11 +99,14 @@ def test_routing_is_the_layers_choice_with_its_scores_and_margin():
 def test_expert_axis_over_both_mesh_axes_and_token_budgets():
     """expert_axis=("data", "expert"): the nvshmem layout on a 2-axis mesh (experts over all 8
     devices); budgets (8, 2): [T, H] with one token per device and per-shard counts takes the
-    small handle, padded to 2."""
+    small handle, padded to 2. capacity_factor: each budget's handle holds that multiple of
+    its own mean load (3x: 16 rows at budget 2, room for the 12 rows that can come)."""
     mesh = mesh2("Explicit")
     moe = make(mesh, expert_axis=("data", "expert"), data_axes=(), max_num_tokens=(8, 2),
-               num_experts=16, shared_expert=False)
+               num_experts=16, shared_expert=False, capacity_factor=3.0)
     assert {b: a.config.max_num_tokens for b, a in moe.handles.by_budget.items()} == {8: 8, 2: 2}
+    assert {b: (a.layout, a.max_recv_rows) for b, a in moe.handles.by_budget.items()} == \
+        {8: ("packed", 3 * 8 * 8 * K // 8), 2: ("packed", 16)}
     assert moe.handles.by_budget[8].config.world_size == 8
     assert nnx.get_partition_spec(nnx.state(moe, nnx.Param))["w_in"].get_value() == \
         P(("data", "expert"), None, None)
@@ -220,6 +223,7 @@ def test_layers_share_one_handle_and_train_like_the_dense_layer():
                              r"\('data', 'expert'\)"),
     (dict(data_axes="expert"), "must name distinct mesh axes"),
     (dict(num_experts=6), "num_experts=6 is not divisible by the 4 ranks"),
+    (dict(layout="padded", capacity_factor=1.5), "capacity_factor=1.5 sizes the packed layout"),
     (dict(router=RouterConfig(num_groups=4, topk_groups=1), experts_per_token=3),
      "experts_per_token=3 exceeds the 2 experts of the topk_groups=1 groups"),
 ])

@@ -36,13 +36,19 @@ bf16, fp8, f32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
 # -- a backend with the nvshmem backend's liberties -------------------------------------------
 class ShuffledRouting(NamedTuple):
     inner: Any
-    order: jax.Array  # [L, R]: row i of the shuffled layout is row order[i] of the inner one
+    order: jax.Array  # row dims: row i of the shuffled layout is row order[i] of the inner one
+
+
+def _expand(a, like):
+    """a with trailing unit axes up to like.ndim (to index or mask like's rows)."""
+    return a.reshape(a.shape + (1,) * (like.ndim - a.ndim))
 
 
 class ShuffledBackend:
     """The reference backend, but every dispatch_recv permutes each expert's live rows
     (differently at every call) and fills rows past the counts with NaN, in expert_x, its
-    scales and expert_weights: what the nvshmem backend may do."""
+    scales and expert_weights: what the nvshmem backend may do. Either layout: padded [L, R]
+    (within each expert's rows) or packed [C] (within each expert's contiguous segment)."""
 
     def __init__(self, inner, seed=0):
         self.inner, self.calls = inner, itertools.count(seed)
@@ -51,37 +57,50 @@ class ShuffledBackend:
         return getattr(self.inner, name)
 
     def dispatch_recv(self, pending):
-        ex, exs, counts, routing, ew = self.inner.dispatch_recv(pending)
-        L, R = ex.shape[:2]
+        ex, exs, counts, routing, ew, dropped = self.inner.dispatch_recv(pending)
         key = jax.random.fold_in(jax.random.key(next(self.calls)),
                                  jax.lax.axis_index(self.inner.axis_name))
-        live = jnp.arange(R)[None, :] < counts[:, None]
-        order = jnp.argsort(jnp.where(live, jax.random.uniform(key, (L, R)),
-                                      2.0 + jnp.arange(R)), axis=1)
+        if ex.ndim == 2:  # packed [C, H]: one sort over the experts' segments
+            C = ex.shape[0]
+            i = jnp.arange(C)
+            ends = jnp.cumsum(counts)
+            live = i < ends[-1]
+            segment = jnp.searchsorted(ends, i, side="right")  # L past the live rows
+            order = jnp.argsort(segment + jnp.where(live, 0.9 * jax.random.uniform(key, (C,)),
+                                                    i / (C + 1)))
+        else:
+            L, R = ex.shape[:2]
+            live = jnp.arange(R)[None, :] < counts[:, None]
+            order = jnp.argsort(jnp.where(live, jax.random.uniform(key, (L, R)),
+                                          2.0 + jnp.arange(R)), axis=1)
+        axis = order.ndim - 1
 
         def shuffle(a, fill):
             if a is None:
                 return None
-            idx = order.reshape(order.shape + (1,) * (a.ndim - 2))
-            a = jnp.take_along_axis(a, idx, axis=1)
-            return jnp.where(live.reshape(live.shape + (1,) * (a.ndim - 2)), a,
-                             jnp.asarray(fill, a.dtype))
+            a = jnp.take_along_axis(a, _expand(order, a), axis=axis)
+            return jnp.where(_expand(live, a), a, jnp.asarray(fill, a.dtype))
 
         return (shuffle(ex, jnp.nan), shuffle(exs, jnp.nan), counts,
-                ShuffledRouting(routing, order), shuffle(ew, jnp.nan))
+                ShuffledRouting(routing, order), shuffle(ew, jnp.nan), dropped)
 
     def combine_send(self, expert_y, routing):
-        inverse = jnp.argsort(routing.order, axis=1)
+        axis = routing.order.ndim - 1
+        inverse = jnp.argsort(routing.order, axis=axis)
         return self.inner.combine_send(
-            jnp.take_along_axis(expert_y, inverse[..., None], axis=1), routing.inner)
+            jnp.take_along_axis(expert_y, _expand(inverse, expert_y), axis=axis),
+            routing.inner)
 
-    def row_keys(self, routing):
-        return jnp.take_along_axis(self.inner.row_keys(routing.inner), routing.order, axis=1)
+    def row_keys(self, routing, dropped=False):
+        keys = self.inner.row_keys(routing.inner, dropped)
+        if dropped:  # not in expert_x: in any order
+            return keys
+        return jnp.take_along_axis(keys, routing.order, axis=routing.order.ndim - 1)
 
 
 class ShuffledAllToAll(AllToAll):
-    def _make_backend(self, config):
-        return ShuffledBackend(super()._make_backend(config), seed=len(self._backends))
+    def _make_backend(self, *args):
+        return ShuffledBackend(super()._make_backend(*args), seed=len(self._backends))
 
 
 class FusedShuffledBackend(ShuffledBackend):
@@ -107,8 +126,8 @@ class FusedShuffledBackend(ShuffledBackend):
 
 
 class FusedShuffledAllToAll(AllToAll):
-    def _make_backend(self, config):
-        return FusedShuffledBackend(super()._make_backend(config), seed=len(self._backends))
+    def _make_backend(self, *args):
+        return FusedShuffledBackend(super()._make_backend(*args), seed=len(self._backends))
 
 
 # -- cases ----------------------------------------------------------------------------------
@@ -192,6 +211,45 @@ def test_rules_match_plain_autodiff_and_oracle(case, routing, split):
     rules, plain = (T.make_grad_step(a2a, mesh, split, plain=p)(*args) for p in (False, True))
     for name, got, want in zip(("d x", "d weights", "y"), rules, plain):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(got, want, atol=1e-2 * scale, err_msg=name)
+
+
+PACKED_CASES = [(EP8, "skewed", 0.5), (EP8_DP2, "duplicates", 0.5), (EP4_FP8, "random", None),
+                (EP4_DP2_FP8, "skewed", 0.5)]
+
+
+@pytest.mark.parametrize("case, routing, factor", PACKED_CASES,
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_packed_rules_with_a_capacity_match_plain_autodiff_and_oracle(case, routing, factor):
+    """layout="packed" with a capacity (factor: MoEConfig.recv_rows_for; None: the worst
+    case), overflow="drop": the rules on shuffled rows with NaN padding (as nvshmem may lay
+    them out) against plain-JAX autodiff of the reference backend in the same layout and
+    capacity, and against the numpy oracle without the dropped slots (their y terms are zero,
+    their d x and d weights zero)."""
+    cfg = case.cfg()
+    C = cfg.max_recv_total if factor is None else cfg.recv_rows_for(factor)
+    a2a = ShuffledAllToAll(cfg, layout="packed", max_recv_rows=C, overflow="drop",
+                           differentiable=True)
+    plan = a2a._plan
+    # The backward dispatch of dy must drop nothing: its own worst-case handle.
+    assert (plan.combine_grad is plan.dispatch_grad) == (cfg.dp_size == 1 and factor is None)
+    assert plan.combine_grad.recv_rows == plan.combine_grad.cfg.max_recv_total
+    assert plan.dispatch_grad.recv_rows == C
+    mesh = T.make_mesh(case.ep)
+    inp, G = T.make_inputs(cfg, 8, routing), T.loss_cotangent(cfg, 8)
+    expect = inp
+    if T.can_drop(a2a):
+        keys = np.asarray(T.make_step(a2a, mesh, dropped=True)(*T.global_inputs(
+            cfg, mesh, inp))[4])
+        assert (keys >= 0).any(), "no row was dropped: make the capacity smaller"
+        expect = T.without_slots(cfg, inp, keys)
+    T.check_grads_against_oracle(a2a, mesh, inp, G, expect=expect)
+    args = T.grad_inputs(cfg, mesh, inp, G)
+    rules, plain = (T.make_grad_step(a2a, mesh, plain=p)(*args) for p in (False, True))
+    for name, got, want in zip(("d x", "d weights", "y"), rules, plain):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        assert np.isfinite(got).all(), name
         scale = max(1.0, float(np.abs(want).max()))
         np.testing.assert_allclose(got, want, atol=1e-2 * scale, err_msg=name)
 
@@ -339,8 +397,8 @@ class MarkedBackend:
 
 
 class MarkedAllToAll(AllToAll):
-    def _make_backend(self, config):
-        return MarkedBackend(super()._make_backend(config))
+    def _make_backend(self, *args):
+        return MarkedBackend(super()._make_backend(*args))
 
 
 def _count_ffi(jaxpr, target):
@@ -389,9 +447,9 @@ def test_layer_gradients_on_shuffled_rows_are_finite_and_equal_dense():
 
 @pytest.mark.parametrize("name", ["dropped-slots", "dp2", "fp8"])
 def test_layer_gradients_on_the_packed_layout_equal_dense(name):
-    """layout="packed" (issue 12) on a differentiable handle: the packing is a gather from the
-    padded rows the gradient rules produce, so jax.grad goes through pack_rows/unpack_rows and
-    ragged_dot; rows shuffled and NaN padding as on nvshmem."""
+    """layout="packed" (issue 12) on a differentiable handle: the rules run on the packed
+    rows the backend writes, and jax.grad goes through the expert GEMMs on them; rows
+    shuffled and NaN padding as on nvshmem."""
     cfg, drop_rate, _, _ = LAYER_CASES[name]
     world = 8
     mesh = T.make_mesh(world)
@@ -404,10 +462,15 @@ def test_layer_gradients_on_the_packed_layout_equal_dense(name):
 
 
 # -- padding, expert_weights ----------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("differentiable", [False, True])
-def test_padding_rows_zero_on_differentiable_handles(differentiable):
+def test_padding_rows_zero_on_differentiable_handles(differentiable, layout):
+    """Rows past the counts (padded: per expert; packed: past sum(counts), with a capacity
+    here) are zero on differentiable handles, whatever the backend left there."""
     cfg = EP4_DP2_FP8.cfg()
-    a2a = ShuffledAllToAll(cfg, differentiable=differentiable)
+    more = {} if layout == "padded" else dict(layout="packed", overflow="drop",
+                                              max_recv_rows=cfg.recv_rows_for(1.0))
+    a2a = ShuffledAllToAll(cfg, differentiable=differentiable, **more)
     mesh = T.make_mesh(cfg.world_size)
     inp = T.make_inputs(cfg, 51)
     x, xs, idx, w, nt = T.global_inputs(cfg, mesh, inp)
@@ -419,7 +482,11 @@ def test_padding_rows_zero_on_differentiable_handles(differentiable):
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 5, out_specs=P("ep")))
     ex, exs, counts, ew = (np.asarray(a) for a in f(x, xs, idx, w, nt))
-    pad = np.arange(cfg.max_recv_tokens)[None, :] >= counts[:, None]
+    if layout == "packed":  # [EP * C] rows, each rank's live ones first
+        held = counts.reshape(cfg.world_size, -1).sum(axis=1)
+        pad = (np.arange(a2a.max_recv_rows)[None, :] >= held[:, None]).reshape(-1)
+    else:
+        pad = np.arange(cfg.max_recv_tokens)[None, :] >= counts[:, None]
     assert pad.any() and (~pad).any()
     assert np.all(ew[pad] == 0)  # always: it is small
     if differentiable:

@@ -1,13 +1,17 @@
-"""The packed expert layout (expert_x [max_recv_total, H], group_sizes [L]) against the oracle
-on the reference backend, and the pack/unpack helpers on their own."""
+"""The packed expert layout (expert_x [max_recv_rows, H], group_sizes [L], written so by the
+backend) against the oracle and the padded layout on the reference backend, and the
+pack/unpack helpers on their own. A capacity below the worst case: tests/test_capacity.py."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from jax_moe_comm import AllToAll, MoEConfig, api
 from jax_moe_comm import testing as T
+from jax_moe_comm.moe import MoELayerConfig, dense_forward, init_params, moe_forward
 
 bf16, fp8 = jnp.bfloat16, jnp.float8_e4m3fn
 
@@ -32,6 +36,49 @@ def test_packed_layout_matches_oracle(name, routing):
     seed = np.random.SeedSequence().entropy % 2**31
     T.run_and_check(a2a, T.make_mesh(cfg.world_size), T.make_inputs(cfg, seed, routing),
                     split=routing == "skewed")
+
+
+LAYERS = {  # the MoE layer of moe.py at several shapes
+    "EP8-k4": MoELayerConfig(num_experts=16, experts_per_token=4, hidden=128, ffn=256,
+                             max_num_tokens=8),
+    "EP8-dp2": MoELayerConfig(num_experts=16, experts_per_token=3, hidden=128, ffn=128,
+                              max_num_tokens=8, dp_size=2),
+    "EP8-fp8-k=L": MoELayerConfig(num_experts=16, experts_per_token=2, hidden=256, ffn=128,
+                                  max_num_tokens=4, fp8_dispatch=True, shared_expert=False),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_packed_layer_equals_padded_layer_and_dense(name):
+    """moe_forward on a packed handle (the backend writes the packed rows) gives the padded
+    handle's y bit for bit, and the dense layer's (moe.dense_forward) within bf16 rounding."""
+    cfg, world = LAYERS[name], 8
+    mesh = T.make_mesh(world)
+    params = init_params(cfg, 1)
+    rng = np.random.default_rng(2)
+    m, dp = cfg.max_num_tokens, cfg.dp_size
+    x = np.repeat(rng.standard_normal((world // dp, m, cfg.hidden)), dp, axis=0)
+    x = x.reshape(world * m, cfg.hidden).astype(bf16)  # DP partners hold the same tokens
+    nt = np.repeat(rng.integers(1, m + 1, world // dp), dp).astype(np.int32)
+    ep, rep = NamedSharding(mesh, P("ep")), NamedSharding(mesh, P())
+    pspec = {k: P("ep") if k in ("w_in", "w_out") else P() for k in params}
+    dev = {k: jax.device_put(v, ep if k in ("w_in", "w_out") else rep)
+           for k, v in params.items()}
+    ys = {}
+    for layout in ("packed", "padded"):
+        a2a = AllToAll(cfg.comm_config(world), **cfg.handle_kwargs(world, layout))
+        fn = jax.jit(jax.shard_map(lambda p, x, n, a2a=a2a: moe_forward(a2a, cfg, p, x,
+                                                                          n.reshape(())),
+                                   mesh=mesh, in_specs=(pspec, P("ep"), P("ep")),
+                                   out_specs=P("ep")))
+        ys[layout] = np.asarray(fn(dev, jax.device_put(x, ep), jax.device_put(nt, ep)),
+                                np.float32)
+    np.testing.assert_array_equal(ys["packed"], ys["padded"])
+    dense = jax.jit(lambda p, x, n: dense_forward(cfg, p, x, n))
+    for r in range(world):
+        want = np.asarray(dense(params, x[r * m:(r + 1) * m], nt[r]), np.float32)
+        np.testing.assert_allclose(ys["packed"][r * m:(r + 1) * m], want, atol=0.05,
+                                   rtol=0.02, err_msg=f"rank {r}")
 
 
 def test_packed_sizes():
@@ -65,11 +112,20 @@ def test_pack_unpack_round_trip():
 
 
 def test_oracle_catches_a_wrong_packing(monkeypatch):
-    """The packed checks fail when rows land in the wrong group."""
-    real = api.pack_rows
-    monkeypatch.setattr(api, "pack_rows", lambda p, c, t: real(p[::-1], c, t))
+    """The packed checks fail when rows land in the wrong group: the backend's live rows
+    shifted by one (each group's first row goes to the group before)."""
+    from jax_moe_comm.backends.reference import ReferenceBackend
+
+    real = ReferenceBackend.dispatch_recv
+
+    def shifted(self, pending):
+        ex, scale, counts, *rest = real(self, pending)
+        i, n = jnp.arange(ex.shape[0]), jnp.maximum(jnp.sum(counts), 1)
+        return (ex[jnp.where(i < n, (i + 1) % n, i)], scale, counts, *rest)
+
+    monkeypatch.setattr(ReferenceBackend, "dispatch_recv", shifted)
     cfg = _cfg(*CASES["EP8-k4-bf16"])
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="expected rows missing"):
         T.run_and_check(AllToAll(cfg, layout="packed"), T.make_mesh(8),
                         T.make_inputs(cfg, 2, ragged=False))
 

@@ -39,6 +39,7 @@ enum What : uint32_t {
   kWhatEpoch = 5,      // a flag carrying another cycle's epoch
   kWhatExpertCount = 6,  // expert_num_tokens handed to combine
   kWhatRowCount = 7,     // a staged sender's count of the rows it put for us (combine)
+  kWhatExpertRows = 8,   // kCapacityExceeded of the padded layout: rows past a per-expert capacity
 };
 
 // A timeout's view of the rank it waited for: which of that rank's kernels the wait needed

@@ -47,15 +47,21 @@ struct Shape {
   int in_elem_bytes;      // 1 (fp8) or 2 (bf16)
   int num_scales;         // f32 scales per token, 0 for bf16
   int out_elem_bytes;     // 2 (bf16) or 4 (f32) for expert_y
-  // The layout of expert_x/expert_y. 0: padded [L, R, H], each local expert's rows at e * R.
-  // > 0: packed [packed_rows, H], expert 0's rows, then 1's, ... (a prefix of the counts); its
-  // value is the capacity C (<= max_recv_rows()). Rows that arrive past C are never written:
+  // The layout of expert_x/expert_y. packed_rows 0: padded [L, P, H], expert e's rows at e * P,
+  // P = expert_rows, the per-expert capacity (0: R, the worst case). packed_rows > 0: packed
+  // [packed_rows, H], expert 0's rows, then 1's, ... (a prefix of the counts); its value is
+  // the capacity C (<= max_recv_rows()). Rows that arrive past a capacity are never written:
   // with drop_overflow they are dropped (combine sends zero rows for them), else the cycle
   // fails with kCapacityExceeded.
   int packed_rows = 0;
   int drop_overflow = 0;
+  int expert_rows = 0;
 
   __host__ __device__ bool packed() const { return packed_rows > 0; }
+  // Rows per local expert of the padded layout (its stride).
+  __host__ __device__ int padded_stride() const {
+    return expert_rows > 0 ? expert_rows : max_recv_tokens();
+  }
   __host__ __device__ int num_local_experts() const { return num_experts / world_size; }
   __host__ __device__ int num_dp_groups() const { return world_size / dp_size; }
   __host__ __device__ int max_recv_tokens() const { return max_num_tokens * num_dp_groups(); }
@@ -68,16 +74,25 @@ struct Shape {
     const int k = experts_per_token, L = num_local_experts();
     return max_num_tokens * (k < L ? k : L);
   }
-  // Rows of expert_x / expert_y (and expert_weights): C packed, L * R padded.
+  // Rows of expert_x / expert_y (and expert_weights): C packed, L * P padded.
   __host__ __device__ int64_t output_rows() const {
-    return packed() ? packed_rows : int64_t{num_local_experts()} * max_recv_tokens();
+    return packed() ? packed_rows : int64_t{num_local_experts()} * padded_stride();
   }
-  // Entries of row_source: padded one per row; packed one per row that can arrive (the worst
-  // case), so the sources of rows dropped past C are kept there, at [C, C + dropped), for
-  // combine_send to answer their slots with zero rows.
+  // Whether a capacity below the worst case is set: rows can then be dropped.
+  __host__ __device__ bool can_drop() const {
+    return packed() ? packed_rows < max_recv_rows() : padded_stride() < max_recv_tokens();
+  }
+  // Entries of row_source: one per output row, then the sources of the rows dropped this
+  // cycle, so that combine_send can answer their slots with zero rows: packed, the dropped
+  // rows sit at their own positions [C, C + dropped) of a worst-case-long row_source; padded
+  // with a per-expert capacity, after the L * P rows, expert by expert (a tail as long as the
+  // worst case, max_recv_rows()).
   __host__ __device__ int64_t row_source_entries() const {
-    return packed() ? max_recv_rows() : output_rows();
+    if (packed()) return max_recv_rows();
+    return output_rows() + (can_drop() ? max_recv_rows() : 0);
   }
+  // Where the dropped rows' sources start in row_source.
+  __host__ __device__ int64_t dropped_sources_at() const { return output_rows(); }
 };
 
 __host__ __device__ constexpr size_t round_up(size_t x, size_t to) {

@@ -1,7 +1,7 @@
 // combine_send: put each expert output row back to its token's home rank(s). It waits only for
 // the home ranks' acknowledgement of the previous cycle.
 //
-// 1. Inputs: expert_y (bf16 or f32) laid out as dispatch_recv laid out expert_x ([L, R, H]
+// 1. Inputs: expert_y (bf16 or f32) laid out as dispatch_recv laid out expert_x ([L, P, H]
 //    padded, [C, H] packed), expert_num_tokens [L], row_source and dropped_rows [1] from
 //    dispatch_recv (possibly of another handle of the same shape and layout: the backward pass
 //    uses the forward's routing). Output: none (a ticket).
@@ -13,9 +13,9 @@
 //      on h  combine_rows[t][j]      the row of slot (t, j) of one of h's tokens,
 //            combine_flag[t][j]      SET e after the row's bytes.
 // 3. Work items are the filled rows of all local experts, numbered through a prefix of
-//    expert_num_tokens in shared memory (packed: row i is expert_y row i), then, packed, the
-//    rows dropped past the capacity C (their sources at row_source[C, C + dropped)), strided
-//    over every warp. A dropped row's slot gets a zero row: its home rank waits for every
+//    expert_num_tokens in shared memory (packed: row i is expert_y row i), then the rows
+//    dropped past a capacity (their sources at row_source[output_rows() + d], d < dropped:
+//    packed, output_rows() = C), strided over every warp. A dropped row's slot gets a zero row: its home rank waits for every
 //    slot it routed, and a dropped expert adds nothing, as if its output were zero. A row's
 //    source (group g, token t, slot j) is checked; the row goes to every member
 //    h = g * dp + m of the group:
@@ -85,13 +85,14 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
   const int capacity = static_cast<int>(s.output_rows());
   if (threadIdx.x < kWarpSize) {
     const int max_rows = s.packed() ? capacity : s.max_recv_rows();
+    const int per_expert = s.packed() ? R : s.padded_stride();  // the most rows of one expert
     const int dropped = *p.dropped_rows;  // (issued early: it overlaps the counts' loads)
     int before = 0;  // rows of experts [0, e0)
     bool refused = false;
     for (int e0 = 0; e0 < L; e0 += kWarpSize) {
       const int e = e0 + w.lane;
       const int count = e < L ? p.expert_num_tokens[e] : 0;
-      const bool out_of_range = count < 0 || count > R;
+      const bool out_of_range = count < 0 || count > per_expert;
       int n = out_of_range ? 0 : count;
       for (int d = 1; d < kWarpSize; d *= 2) {  // inclusive prefix over the lanes
         const int below = __shfl_up_sync(0xffffffffu, n, d);
@@ -99,18 +100,19 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
       }
       const bool too_many = before + n > max_rows;
       if ((out_of_range || too_many) && ok && blockIdx.x == 0)  // (refused: report nothing)
-        fail(c, kCorruptData, kPhaseCombineSend, -1, -1, out_of_range ? R : max_rows,
+        fail(c, kCorruptData, kPhaseCombineSend, -1, -1, out_of_range ? per_expert : max_rows,
              out_of_range ? count : before + n, kWhatExpertCount);
       refused |= __any_sync(0xffffffffu, out_of_range || too_many);
       if (e < L) first_row[e + 1] = before + n;
       before += __shfl_sync(0xffffffffu, n, kWarpSize - 1);
     }
-    // Dropped rows exist only past a full packed expert_y: before them the counts fill C.
-    const bool bad_drop = dropped != 0 && (!s.packed() || dropped < 0 || before != capacity ||
-                                           dropped > s.max_recv_rows() - capacity);
+    // Rows drop only under a capacity; packed, only past a full expert_y (the counts fill C).
+    const int most_dropped = s.max_recv_rows() - (s.packed() ? capacity : 0);
+    const bool bad_drop = dropped != 0 &&
+                          (!s.can_drop() || dropped < 0 || dropped > most_dropped ||
+                           (s.packed() && before != capacity));
     if (bad_drop && !refused && ok && blockIdx.x == 0 && w.lane == 0)
-      fail(c, kCorruptData, kPhaseCombineSend, -1, -1, s.max_recv_rows() - capacity, dropped,
-           kWhatExpertCount);
+      fail(c, kCorruptData, kPhaseCombineSend, -1, -1, most_dropped, dropped, kWhatExpertCount);
     if (w.lane == 0) {
       first_row[0] = 0;
       if (refused || bad_drop) first_row[L] = -1;
@@ -121,15 +123,16 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
   const int live = ok ? max(first_row[L], 0) : 0;
   const int rows = live + (ok && first_row[L] >= 0 ? num_dropped : 0);
   for (int i = w.warp; i < rows; i += w.total) {
-    size_t at = i;  // packed: row i (a dropped row's source sits at i too: live == C then)
-    if (!s.packed()) {
+    // A dropped row's source: after the output rows (packed: at i itself, live == C then).
+    int at = i < live ? i : capacity + (i - live);
+    if (!s.packed() && i < live) {
       int e = 0;  // largest e with first_row[e] <= i
       for (int lo = 0, hi = L; hi - lo > 1;) {
         const int mid = (lo + hi) / 2;
         (first_row[mid] <= i ? lo : hi) = mid;
         e = lo;
       }
-      at = static_cast<size_t>(e) * R + (i - first_row[e]);
+      at = e * s.padded_stride() + (i - first_row[e]);
     }
     const int src = p.row_source[at];
     const int j = src % k, t = (src / k) % s.max_num_tokens, g = src / k / s.max_num_tokens;
@@ -138,7 +141,8 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
       break;
     }
     // nullptr: a dropped row, sent as zeros.
-    const uint8_t* y_row = i < live ? p.expert_y + at * sym.combine_row_bytes : nullptr;
+    const uint8_t* y_row =
+        i < live ? p.expert_y + static_cast<size_t>(at) * sym.combine_row_bytes : nullptr;
     uint8_t* row = sym.combine_row(t, j);
     uint64_t* flag = sym.slot_flag(t, j);
     bool packed = true;

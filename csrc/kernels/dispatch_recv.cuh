@@ -2,12 +2,15 @@
 //
 // 1. Outputs: expert_x, expert_x_scale (fp8), expert_weights f32 and row_source
 //    (pack_source(group, token, slot)) per row, expert_num_tokens [L], dropped_rows [1].
-//    Padded (Shape::packed_rows == 0): [L, R, ...], expert e's rows at e * R; rows past the
-//    count are undefined; R = max_m * G. Packed: [C, ...] with C = packed_rows, expert 0's
-//    rows, then 1's, ... (expert_first: a prefix over the local experts' row totals), rows past
-//    sum(counts) undefined; row_source has max_recv_rows() entries: a row whose packed
-//    position falls at or past C is not written (x, scales, weight) but its source is, at that
-//    position, and dropped_rows says how many (combine_send answers their slots with zeros).
+//    Padded (Shape::packed_rows == 0): [L, P, ...], expert e's rows at e * P, P the
+//    per-expert capacity (expert_rows; R = max_m * G, the worst case, by default); rows past
+//    the count are undefined. Packed: [C, ...] with C = packed_rows, expert 0's rows, then
+//    1's, ... (expert_first: a prefix over the local experts' row totals), rows past
+//    sum(counts) undefined. A row past a capacity (packed position >= C; padded row >= P) is
+//    not written (x, scales, weight) but its source is (row_source_entries(): packed at its
+//    own position, padded after the L * P rows, at L * P + expert_first[e] + row - P, where
+//    expert_first is then a prefix over the experts' overflows), and dropped_rows says how
+//    many (combine_send answers their slots with zeros).
 // 2. Symmetric memory, epoch e: local dispatch_count[g], recv_records[g][i]
 //    (written by the sender of group g, s_g = g * dp + rank % dp); on s_g: dispatch_ack[rank].
 // 3. Step 1, every block: one thread per group waits (bounded) for dispatch_count[g] to carry
@@ -16,17 +19,18 @@
 //    A sender reachable by load/store published its count after all its records (release), a
 //    staged sender put its records in one put and the count behind a fence, so the count's
 //    acquire (and, staged, NVSHMEM's post-wait hook in wait_ge) is all a block needs.
-//    Step 1b, packed only, every block: a thread per record reads its header and counts the
-//    rows of each local expert (shared atomics); warp 0 scans them into expert_first [L + 1].
+//    Step 1b, packed or with a per-expert capacity, every block: a thread per record reads
+//    its header and counts the rows of each local expert (shared atomics); warp 0 scans them
+//    (padded: their overflows past P) into expert_first [L + 1].
 //    Every block reads every header (a header is ~40 bytes: 1 KB per block per 32 records),
 //    since no block may wait for another (no grid barrier: blocks need not be co-resident).
 //    Step 2: warps stride over all records of all groups. A warp checks the record's header
 //    (token < max_m), and for each expert id that is local takes a row with atomicAdd on the
 //    expert's fill count (< R, checked; in shared memory when the grid is one block, else
 //    expert_fill in scratch) and copies payload, scales, weight and source.
-// 4. The last block writes expert_num_tokens (packed: the rows below C), dropped_rows,
+// 4. The last block writes expert_num_tokens (the rows below the capacity), dropped_rows,
 //    re-arms the fill counts, and SETs dispatch_ack[rank] = e on every s_g: our recv_records
-//    may be overwritten by their next cycle. Rows past C with overflow "fail": it records
+//    may be overwritten by their next cycle. Rows past a capacity, overflow "fail": it records
 //    kCapacityExceeded instead (the handle is poisoned, no ack); with "drop" it adds them to
 //    the error record's dropped_rows.
 // 5. On any failure (timeout, abort word, bad value) the error is recorded and broadcast, the
@@ -59,8 +63,9 @@ __device__ __forceinline__ void warp0_prefix_in_place(uint32_t* a, int n) {
   if (lane == 0) a[0] = 0;
 }
 
-// Step 1b (packed layout): expert_first[e] = rows of local experts [0, e) in this cycle's
-// records, for e <= L; every block computes it from the headers (see the top of this file).
+// Step 1b: expert_first[e] for e <= L, over local experts [0, e) in this cycle's records: their
+// rows (packed), or their rows past the per-expert capacity P (padded); every block computes
+// it from the headers (see the top of this file).
 __device__ __forceinline__ void count_expert_rows(const DispatchRecvParams& p,
                                                   const uint32_t* first_record, uint32_t total,
                                                   uint32_t* expert_first) {
@@ -84,6 +89,10 @@ __device__ __forceinline__ void count_expert_rows(const DispatchRecvParams& p,
       if (e >= 0 && e < L) atomicAdd(&expert_first[e + 1], 1u);
     }
   }
+  __syncthreads();
+  if (!s.packed())
+    for (int e = threadIdx.x; e < L; e += blockDim.x)
+      expert_first[e + 1] = max(0, static_cast<int>(expert_first[e + 1]) - s.padded_stride());
   __syncthreads();
   warp0_prefix_in_place(expert_first, L);
   __syncthreads();
@@ -136,10 +145,12 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
   __syncthreads();
   stamp_mark(c, kDispatchRecvKernel, kWaited);
   const uint32_t total = ok ? first_record[G] : 0;
-  // Packed: where each local expert's rows start (after first_record in dynamic shared memory).
-  uint32_t* expert_first = s.packed() ? first_record + G + 1 : nullptr;
-  if (s.packed()) count_expert_rows(p, first_record, total, expert_first);
-  const int capacity = static_cast<int>(s.output_rows());
+  // Packed: where each local expert's rows start; padded with a capacity: where its dropped
+  // rows' sources start past the L * P rows (after first_record in dynamic shared memory).
+  const bool counted = s.packed() || s.can_drop();
+  uint32_t* expert_first = counted ? first_record + G + 1 : nullptr;
+  if (counted) count_expert_rows(p, first_record, total, expert_first);
+  const int capacity = static_cast<int>(s.output_rows()), P = s.padded_stride();
   const int sources = static_cast<int>(s.row_source_entries());
 
   // Step 2: every record of every group. A refused launch reads none; a group whose count
@@ -171,9 +182,13 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
       const int e = j < k ? header[1 + j] - first_expert : -1;
       int row = -1;
       if (e >= 0 && e < L) row = static_cast<int>(atomicAdd(&fill[e], 1u));
-      // Padded: row r of expert e; packed: after the rows of the experts before e.
-      const int at = row < 0 ? -1 : s.packed() ? static_cast<int>(expert_first[e]) + row
-                                               : e * R + row;
+      // Packed: after the rows of the experts before e; padded: row r of expert e, or past
+      // the capacity, the source's place after the L * P rows. Either way >= capacity means
+      // dropped.
+      const int at = row < 0       ? -1
+                     : s.packed()  ? static_cast<int>(expert_first[e]) + row
+                     : row < P     ? e * P + row
+                                   : capacity + static_cast<int>(expert_first[e]) + row - P;
       if (row >= R || at >= sources) {  // more rows than any routing can make: corrupt header
         fail(c, kCorruptData, kPhaseDispatchRecv, sender, t, row >= R ? R : sources,
              row >= R ? row : at, kWhatRow);
@@ -182,7 +197,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
       for (uint32_t todo = __ballot_sync(0xffffffffu, row >= 0); todo != 0; todo &= todo - 1) {
         const int from = __ffs(todo) - 1;  // the lane of the next local slot
         const int out_row = __shfl_sync(0xffffffffu, at, from);
-        if (out_row < capacity) {  // (packed: past C the row is dropped, its source kept)
+        if (out_row < capacity) {  // (past a capacity the row is dropped, its source kept)
           warp_copy(p.expert_x + static_cast<size_t>(out_row) * sym.record.payload_bytes,
                     rec + sym.record.header_bytes, sym.record.payload_bytes, w.lane);
           if (p.expert_x_scale != nullptr)
@@ -201,22 +216,29 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
   // is read before the block barrier, overlapping the other warps' copies.
   bool healthy = ok && !poisoned(c);  // (a refused launch acknowledges nothing)
   if (!is_last_block(c, kDispatchRecvKernel)) return;
-  // Packed: rows that arrived past the capacity (0 when C is the worst case, or padded).
-  const int arrived = s.packed() && ok ? static_cast<int>(expert_first[L]) : 0;
-  const uint32_t dropped = arrived > capacity ? static_cast<uint32_t>(arrived - capacity) : 0;
+  // Rows that arrived past the capacity (0 when it is the worst case).
+  const int counted_rows = counted && ok ? static_cast<int>(expert_first[L]) : 0;
+  const uint32_t dropped = static_cast<uint32_t>(
+      s.packed() ? max(0, counted_rows - capacity) : counted_rows);
   if (dropped > 0 && !s.drop_overflow) {
-    if (threadIdx.x == 0 && healthy)
-      fail(c, kCapacityExceeded, kPhaseDispatchRecv, -1, -1, capacity, arrived, kWhatRow);
+    if (threadIdx.x == 0 && healthy) {
+      if (s.packed()) {
+        fail(c, kCapacityExceeded, kPhaseDispatchRecv, -1, -1, capacity, counted_rows,
+             kWhatRow);
+      } else {
+        fail(c, kCapacityExceeded, kPhaseDispatchRecv, -1, -1, P, dropped, kWhatExpertRows);
+      }
+    }
     healthy = false;  // the cycle failed: no counts, no acknowledgement
   }
   for (int e = threadIdx.x; e < L; e += blockDim.x) {
     const uint32_t filled = min(one_block ? fill[e] : atomicExch(&fill[e], 0u), uint32_t(R));
-    // Packed: only the rows below C are in expert_x.
+    // Only the rows below the capacity are in expert_x.
     const uint32_t below_capacity =
         s.packed() ? static_cast<uint32_t>(max(0, min(static_cast<int>(filled),
                                                        capacity - static_cast<int>(
                                                                       expert_first[e]))))
-                   : filled;
+                   : min(filled, static_cast<uint32_t>(P));
     p.expert_num_tokens[e] = healthy ? static_cast<int32_t>(below_capacity) : 0;
   }
   if (threadIdx.x == 0) {

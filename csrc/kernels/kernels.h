@@ -144,10 +144,11 @@ struct BarrierParams {
 constexpr int kMaxBlockCounters = 256;
 
 // Dynamic shared memory of the bodies that keep a prefix there (split and fused launches, and
-// the occupancy queries): dispatch_recv's first_record [G + 1] (and, packed, expert_first
-// [L + 1]), combine_send's first_row [L + 1].
+// the occupancy queries): dispatch_recv's first_record [G + 1] (and, packed or with a
+// per-expert capacity, expert_first [L + 1]), combine_send's first_row [L + 1].
 inline size_t dispatch_recv_shared_bytes(const Shape& s) {
-  return sizeof(uint32_t) * (s.num_dp_groups() + 1 + (s.packed() ? s.num_local_experts() + 1 : 0));
+  const bool counted = s.packed() || s.can_drop();
+  return sizeof(uint32_t) * (s.num_dp_groups() + 1 + (counted ? s.num_local_experts() + 1 : 0));
 }
 inline size_t combine_send_shared_bytes(const Shape& s) {
   return sizeof(int) * (s.num_local_experts() + 1);

@@ -13,7 +13,9 @@ trace-time checks (api.py) cannot see the order.
 of each dep, so it runs only once they are computed, and returns an int32 zero that the op
 adds to its own results, so that what follows the op runs after the visit. Deps are small
 slices of the op's inputs (a layer's send after the previous layer's combine), which orders
-the visits as the data orders the ops, as on the GPU stream.
+the visits as the data orders the ops, as on the GPU stream. The visit is `state.visit(op,
+rank, device, *dep_values)` (each dep's first element): any object with that method can be
+visited, e.g. the reference backend's count of rows a packed capacity dropped.
 
 Like the ops in ffi_call.py, the callback is a primitive with no JAX effect (an io_callback's
 effect is refused by jax.checkpoint and custom_vjp): a DCE rule keeps it, a remat rule saves its
@@ -70,7 +72,7 @@ class ProtocolState:
             self.counts.clear()
             self.error = ""
 
-    def visit(self, op: int, rank: int, device: int) -> None:
+    def visit(self, op: int, rank: int, device: int, *_deps) -> None:
         half, is_recv = op // 2, op % 2
         with self._lock:
             if self.error:
@@ -106,9 +108,9 @@ def _primitive():
             return _core.ShapedArray((), jnp.int32)
 
     def lowering(ctx, *operands, state, op):
-        def callback(rank, device, *_deps):
+        def callback(rank, device, *deps):
             state.visit(op, int(np.asarray(rank).reshape(-1)[0]),
-                        int(np.asarray(device).reshape(-1)[0]))
+                        int(np.asarray(device).reshape(-1)[0]), *deps)
             return (np.zeros((), np.int32),)
 
         try:

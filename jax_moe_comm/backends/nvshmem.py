@@ -21,8 +21,9 @@ DEFAULT_TIMEOUT_S = 30.0
 
 class Routing(NamedTuple):
     expert_num_tokens: jax.Array  # [L] int32
-    # (group * max_m + token) * k + slot of each row: [L, R] padded; packed [max_recv_total]:
-    # the C rows of expert_x, then the rows dropped past C ([C, C + dropped))
+    # (group * max_m + token) * k + slot of each row, flat: the output rows ([L, P] padded,
+    # [C] packed), then the sources of the rows dropped past a capacity (csrc/core/layout.h,
+    # Shape::row_source_entries)
     row_source: jax.Array
     dropped: jax.Array  # (1,) int32: rows dropped past the packed capacity (0 padded)
 
@@ -108,9 +109,12 @@ class NvshmemBackend:
 
     def __init__(self, cfg: MoEConfig, axis_name, tuning: KernelTuning,
                  timeout_s: float = DEFAULT_TIMEOUT_S, layout: str = "padded",
-                 recv_rows: int | None = None, overflow: str = "fail"):
+                 recv_rows: int | None = None, overflow: str = "fail",
+                 expert_capacity: int | None = None):
         """layout "padded" or "packed"; recv_rows: the packed capacity C (None: the worst
-        case, cfg.max_recv_total); overflow "fail" or "drop" (api.AllToAll checks them)."""
+        case, cfg.max_recv_total); expert_capacity: the padded rows per local expert P (None:
+        the worst case, cfg.max_recv_tokens); overflow "fail" or "drop" (api.AllToAll checks
+        them)."""
         problem = bootstrap.process_layout_problem(cfg.world_size)
         if problem:
             from ..errors import NativeUnavailableError
@@ -121,13 +125,15 @@ class NvshmemBackend:
         self.axis_name = axis_name
         self.layout = layout
         self.recv_rows = (recv_rows or cfg.max_recv_total) if layout == "packed" else None
+        self.expert_capacity = ((expert_capacity or cfg.max_recv_tokens) if layout == "padded"
+                                else None)
         self._mod = native.module()
         # Creation is collective: every rank must ask for the same shape and settings, in the
         # same order. Checked through the key-value store first, so a difference is named, not
         # a hang (every rank publishes before any rank refuses).
         shape = (cfg.num_experts, cfg.experts_per_token, cfg.hidden, cfg.max_num_tokens,
                  cfg.world_size, cfg.dp_size, cfg.dispatch_dtype.name, cfg.combine_dtype.name,
-                 layout, self.recv_rows or 0, overflow)
+                 layout, self.recv_rows or 0, self.expert_capacity or 0, overflow)
         settings = dict({k: os.environ.get(k, "") for k in PROTOCOL_ENV},
                         num_blocks=tuning.num_blocks, warps_per_block=tuning.warps_per_block,
                         transport=tuning.transport, node_size=tuning.node_size,
@@ -149,7 +155,8 @@ class NvshmemBackend:
             num_blocks=tuning.num_blocks, warps=tuning.warps_per_block,
             staged=bootstrap.staged() or 0 < node_size < cfg.world_size,
             staged_node_size=node_size, start_epoch=_start_epoch,
-            packed_rows=self.recv_rows or 0, drop_overflow=overflow == "drop")
+            packed_rows=self.recv_rows or 0, drop_overflow=overflow == "drop",
+            expert_rows=self.expert_capacity or 0)
         if not handle:  # refused before anything collective happened (same on every rank)
             raise ValueError(f"cannot create the all-to-all handle: {error}")
         # Past the collective allocation: if any rank failed, every rank frees it together.
@@ -178,16 +185,28 @@ class NvshmemBackend:
         return x, x_scale, indices, weights, num_tokens
 
     def _rows(self) -> tuple[int, ...]:
-        """Leading shape of expert_x's rows: (L, R) padded, (C,) packed."""
-        cfg = self.cfg
+        """Leading shape of expert_x's rows: (L, P) padded, (C,) packed."""
         if self.layout == "packed":
             return (self.recv_rows,)
-        return (cfg.num_local_experts, cfg.max_recv_tokens)
+        return (self.cfg.num_local_experts, self.expert_capacity)
+
+    def _can_drop(self) -> bool:
+        cfg = self.cfg
+        if self.layout == "packed":
+            return self.recv_rows < cfg.max_recv_total
+        return self.expert_capacity < cfg.max_recv_tokens
+
+    def _sources(self) -> int:
+        """row_source's length (Shape::row_source_entries in csrc/core/layout.h)."""
+        cfg = self.cfg
+        if self.layout == "packed":
+            return cfg.max_recv_total
+        return int(np.prod(self._rows())) + (cfg.max_recv_total if self._can_drop() else 0)
 
     def _recv_results(self, like):
         cfg = self.cfg
         rows, L = self._rows(), cfg.num_local_experts
-        sources = (cfg.max_recv_total,) if self.layout == "packed" else rows
+        sources = (self._sources(),)
         return (result_type(like, rows + (cfg.hidden,), cfg.dispatch_dtype),
                 result_type(like, rows + (cfg.num_scales,), jnp.float32),
                 result_type(like, (L,), jnp.int32),
@@ -244,21 +263,20 @@ class NvshmemBackend:
         return (y, slots) if slot_rows else y
 
     def row_keys(self, routing: Routing, dropped: bool = False):
-        """(group, token, slot) key of each filled row, -1 past the counts: [L, R] padded,
-        [C] packed. dropped=True (packed): [max_recv_total - C], the keys of the rows dropped
-        past C this cycle, -1 past their number."""
-        if self.layout != "packed":
-            if dropped:
-                raise ValueError("row_keys(dropped=True) is for the packed layout")
-            R = self.cfg.max_recv_tokens
-            filled = jnp.arange(R)[None, :] < routing.expert_num_tokens[:, None]
-            return jnp.where(filled, routing.row_source, -1)
-        C = self.recv_rows
+        """(group, token, slot) key of each filled row, -1 past the counts: [L, P] padded,
+        [C] packed. dropped=True: the keys of the rows dropped past the capacity this cycle,
+        -1 past their number: [max_recv_total - C] packed; padded [max_recv_total] with a
+        per-expert capacity below the worst case, else [0]."""
+        n = int(np.prod(self._rows()))  # output rows; the dropped rows' sources follow
         if dropped:
-            rest = routing.row_source[C:]
+            rest = routing.row_source[n:]
             return jnp.where(jnp.arange(rest.shape[0]) < routing.dropped[0], rest, -1)
-        live = jnp.arange(C) < jnp.sum(routing.expert_num_tokens)
-        return jnp.where(live, routing.row_source[:C], -1)
+        if self.layout != "packed":
+            L, P = self._rows()
+            filled = jnp.arange(P)[None, :] < routing.expert_num_tokens[:, None]
+            return jnp.where(filled, routing.row_source[:n].reshape(L, P), -1)
+        live = jnp.arange(n) < jnp.sum(routing.expert_num_tokens)
+        return jnp.where(live, routing.row_source[:n], -1)
 
     def dropped_rows_total(self) -> int:
         """Rows this rank dropped past the packed capacity since creation or recover()

@@ -13,17 +13,24 @@ the rows themselves and weights them at home. Rows of one expert come out ordere
 Weighting with the receiver's weights is what the CUDA combine does (it weights at home);
 the two differ only when the members of a DP group pass different weights, and autodiff of
 this backend then gives each member the weight gradient of its own output (autodiff.py).
+
+layout="packed" scatters the rows straight to their packed position (expert 0's rows, then
+expert 1's, ...) in [recv_rows, H]; a slot whose position is >= recv_rows (the capacity) is
+not written, and combine treats it as an expert output of zero. How many were dropped is
+counted on the host by a visit (host_check.tick), which jax.checkpoint runs once.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..config import MoEConfig
-from ..errors import InvalidRoutingError, ProtocolError
+from ..errors import CapacityExceededError, InvalidRoutingError, ProtocolError
 from ..routing import destination, row_key, sent_slots, valid_slots
 from . import host_check as hc
 
@@ -37,23 +44,66 @@ class PendingDispatch(NamedTuple):
 
 class Routing(NamedTuple):
     recv_ids: jax.Array  # [EP(src), max_m, k] local expert of each received slot, -1 if none
-    recv_pos: jax.Array  # [EP(src), max_m, k] row of that slot in expert_x
+    # [EP(src), max_m, k] row of that slot in expert_x: within its expert (padded), or in the
+    # packed rows (packed; >= recv_rows: dropped, not held)
+    recv_pos: jax.Array
 
 
 class PendingCombine(NamedTuple):
-    expert_y: jax.Array  # [L, max_recv, H]
+    expert_y: jax.Array  # [L, max_recv, H] (padded) or [recv_rows, H] (packed)
     routing: Routing
     ticket: jax.Array | None = None  # int32 zero from combine_send's protocol visit
+
+
+def capacity_message(rank: int, dropped: int, capacity: int) -> str:
+    """The CapacityExceeded record of a rank that received capacity + dropped rows."""
+    return (f"CapacityExceeded: rank {rank} in dispatch_recv: {capacity + dropped} rows arrived "
+            f"for a packed capacity of {capacity} rows (max_recv_rows); the {dropped} rows past "
+            "it were not written and add nothing to y. Raise max_recv_rows (or the capacity "
+            "factor of MoEConfig.recv_rows_for), or pass overflow='drop' to drop them without "
+            "an error (AllToAll.dropped_rows() counts them)")
+
+
+class Overflow:
+    """Host record of a packed capacity below the worst case: rows dropped since creation or
+    recover(), and with overflow="fail" the first overflow, kept until recover() (as the
+    CUDA handle's error record). Visited once per dispatch_recv and device (host_check)."""
+
+    def __init__(self, capacity: int, fail: bool):
+        self.capacity, self.fail = capacity, fail
+        self._lock = threading.Lock()
+        self.dropped_total = 0
+        self.error = ""
+
+    def visit(self, op: int, rank: int, device: int, dropped) -> None:
+        n = int(np.asarray(dropped).reshape(-1)[0])
+        if n <= 0:
+            return
+        with self._lock:
+            self.dropped_total += n
+            if self.fail and not self.error:
+                self.error = capacity_message(rank, n, self.capacity)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.dropped_total, self.error = 0, ""
 
 
 class ReferenceBackend:
     name = "reference"
 
     def __init__(self, cfg: MoEConfig, axis_name, check_routing: bool = True,
-                 check_protocol: bool = True):
+                 check_protocol: bool = True, *, layout: str = "padded",
+                 recv_rows: int | None = None, overflow: str = "fail"):
         self.cfg = cfg
         self.axis_name = axis_name
         self.check_routing = check_routing
+        self.packed = layout == "packed"
+        # Packed rows per rank (None: padded); None for packed means the worst case.
+        self.recv_rows = (recv_rows or cfg.max_recv_total) if self.packed else None
+        # Only a capacity below the worst case can drop rows: only then is there a record.
+        can_drop = self.packed and self.recv_rows < cfg.max_recv_total
+        self._overflow = Overflow(self.recv_rows, overflow == "fail") if can_drop else None
         # Bad routing seen at run time, recorded by a host callback (raising inside one would
         # abort XLA:CPU); check() raises the first, like the CUDA path's error record.
         self._errors: list[str] = []
@@ -81,12 +131,14 @@ class ReferenceBackend:
                 f"{cfg.max_num_tokens}] (rows per rank); it was clamped")
 
     def check(self):
-        """Raise a recorded protocol error (kept: the handle stays unusable, as a CUDA handle
-        that refused a launch), else the first bad routing recorded since the last check(),
-        then forget those."""
+        """Raise a recorded protocol error or capacity overflow (both kept until recover(), as
+        a CUDA handle's error record), else the first bad routing recorded since the last
+        check(), then forget those."""
         jax.effects_barrier()
         if self.protocol is not None and self.protocol.error:
             raise ProtocolError(self.protocol.error)
+        if self._overflow is not None and self._overflow.error:
+            raise CapacityExceededError(self._overflow.error)
         errors, self._errors = self._errors, []
         if errors:
             raise InvalidRoutingError(errors[0])
@@ -94,12 +146,20 @@ class ReferenceBackend:
     checks_after_close = True  # check() still reports a compiled step run after close()
 
     def recover(self):
-        """As the CUDA handle's recover(): the protocol counts and every recorded error are
-        cleared, and the same compiled steps run on."""
+        """As the CUDA handle's recover(): the protocol counts, the dropped-row count and every
+        recorded error are cleared, and the same compiled steps run on."""
         jax.effects_barrier()
         if self.protocol is not None:
             self.protocol.reset()
+        if self._overflow is not None:
+            self._overflow.reset()
         self._errors = []
+
+    def dropped_rows_total(self) -> int:
+        """Rows that a packed capacity dropped on this process's devices since creation or
+        recover() (of the dispatches that have run: read it after their results)."""
+        jax.effects_barrier()
+        return 0 if self._overflow is None else self._overflow.dropped_total
 
     # -- helpers ---------------------------------------------------------------------------
     def _a2a(self, x):
@@ -156,22 +216,28 @@ class ReferenceBackend:
                                recv_w)
 
     def dispatch_recv(self, pending: PendingDispatch):
+        """(expert_x, expert_x_scale | None, expert_num_tokens [L], routing, expert_weights |
+        None, dropped (1,) int32) in this handle's layout; rows past the counts are zero."""
         cfg = self.cfg
-        L, R = cfg.num_local_experts, cfg.max_recv_tokens
+        L = cfg.num_local_experts
         recv_ids = pending.recv_ids + self._tick(hc.DISPATCH_RECV, pending.recv_ids)
         pending = pending._replace(recv_ids=recv_ids)
         ids = pending.recv_ids.reshape(-1)  # flat (src, t, j)
         onehot = ids[:, None] == jnp.arange(L)[None, :]
         running = jnp.cumsum(onehot.astype(jnp.int32), axis=0)
         pos = jnp.take_along_axis(running, jnp.clip(ids, 0)[:, None], axis=1)[:, 0] - 1
-        expert_num_tokens = running[-1].astype(jnp.int32)
+        counts = running[-1].astype(jnp.int32)  # rows arrived per local expert
+        if self.packed:
+            pos, counts, dropped = self._pack(ids, pos, counts)
+        else:
+            dropped = jnp.zeros((1,), jnp.int32)
         row_of_slot = jnp.arange(ids.shape[0]) // cfg.experts_per_token
-        target = jnp.where(ids >= 0, ids, L)  # L is out of range: dropped
+        where = self._row_index(ids, pos)  # out of range where not held: not written
 
         def scatter(rows, fill_shape, dtype):
-            out = jnp.zeros((L, R) + fill_shape, dtype)
+            out = jnp.zeros(self._rows_shape + fill_shape, dtype)
             flat = rows.reshape((-1,) + fill_shape)
-            return out.at[target, pos].set(flat[row_of_slot], mode="drop")
+            return out.at[where].set(flat[row_of_slot], mode="drop")
 
         expert_x = scatter(pending.recv_x, (cfg.hidden,), pending.recv_x.dtype)
         expert_x_scale = None
@@ -179,23 +245,69 @@ class ReferenceBackend:
             expert_x_scale = scatter(pending.recv_scale, (cfg.num_scales,), jnp.float32)
         expert_weights = None
         if pending.recv_w is not None:  # one weight per slot, not per token row
-            expert_weights = jnp.zeros((L, R), jnp.float32).at[target, pos].set(
+            expert_weights = jnp.zeros(self._rows_shape, jnp.float32).at[where].set(
                 pending.recv_w.reshape(-1), mode="drop")
         routing = Routing(pending.recv_ids, pos.reshape(pending.recv_ids.shape))
-        return expert_x, expert_x_scale, expert_num_tokens, routing, expert_weights
+        return expert_x, expert_x_scale, counts, routing, expert_weights, dropped
 
-    def row_keys(self, routing: Routing):
-        """[L, R] int32: routing.row_key(source group, token, slot) of each row, -1 past the
-        counts."""
+    @property
+    def _rows_shape(self) -> tuple:
+        """expert_x's row dimensions: [L, R] padded, [recv_rows] packed."""
+        if self.packed:
+            return (self.recv_rows,)
+        return (self.cfg.num_local_experts, self.cfg.max_recv_tokens)
+
+    def _pack(self, ids, pos, counts):
+        """Packed positions of the slots (expert order, then arrival order within an expert),
+        the rows kept per expert, and how many did not fit (int32 (1,)); records the
+        overflow on the host."""
+        starts = jnp.cumsum(counts) - counts
+        packed_pos = starts[jnp.clip(ids, 0)] + pos
+        kept = jnp.clip(self.recv_rows - starts, 0, counts).astype(jnp.int32)
+        dropped = (jnp.sum(counts) - jnp.sum(kept)).astype(jnp.int32).reshape(1)
+        if self._overflow is not None:
+            dropped = dropped + hc.tick(self._overflow, hc.DISPATCH_RECV, self.axis_name,
+                                        dropped)
+        return packed_pos, kept, dropped
+
+    def _held(self, ids, pos):
+        """Mask of the slots (ids, pos tables) whose row this rank holds: routed here and,
+        when packed, not dropped."""
+        return (ids >= 0) & (pos < self.recv_rows) if self.packed else ids >= 0
+
+    def _row_index(self, ids, pos):
+        """Index of each slot's row into expert_x's row dimensions; out of range where this
+        rank holds none (a scatter drops it, a gather fills zero)."""
+        held = self._held(ids, pos)
+        if self.packed:
+            return (jnp.where(held, pos, self.recv_rows),)
+        return (jnp.where(held, ids, self.cfg.num_local_experts), pos)
+
+    def _held_rows(self, expert_y, ids, pos):
+        """(the expert_y row of each slot, zero where none is held; the held mask)."""
+        rows = expert_y.at[self._row_index(ids, pos)].get(mode="fill", fill_value=0)
+        return rows, self._held(ids, pos)
+
+    def row_keys(self, routing: Routing, dropped: bool = False):
+        """routing.row_key(source group, token, slot) of each row, -1 where none: [L, R]
+        (padded) or [recv_rows] (packed). dropped=True (packed only): the keys of the rows
+        that did not fit, [max_recv_total - recv_rows], -1 past their number."""
+        if dropped and not self.packed:
+            raise ValueError("row_keys(dropped=True) is for layout='packed': a padded "
+                             "handle drops nothing")
         cfg = self.cfg
         ids, pos = routing
         src = jnp.arange(cfg.world_size)[:, None, None]
         token = jnp.arange(cfg.max_num_tokens)[None, :, None]
         slot = jnp.arange(cfg.experts_per_token)[None, None, :]
         keys = jnp.broadcast_to(row_key(cfg, src // cfg.dp_size, token, slot), ids.shape)
-        target = jnp.where(ids >= 0, ids, cfg.num_local_experts)  # out of range: dropped
-        out = jnp.full((cfg.num_local_experts, cfg.max_recv_tokens), -1, jnp.int32)
-        return out.at[target, pos].set(keys.astype(jnp.int32), mode="drop")
+        keys = keys.astype(jnp.int32)
+        if not dropped:
+            out = jnp.full(self._rows_shape, -1, jnp.int32)
+            return out.at[self._row_index(ids, pos)].set(keys, mode="drop")
+        spill = cfg.max_recv_total - self.recv_rows  # rows that can be dropped
+        where = jnp.where((ids >= 0) & (pos >= self.recv_rows), pos - self.recv_rows, spill)
+        return jnp.full((spill,), -1, jnp.int32).at[where].set(keys, mode="drop")
 
     # -- combine ---------------------------------------------------------------------------
     def combine_send(self, expert_y, routing: Routing) -> PendingCombine:
@@ -224,8 +336,9 @@ class ReferenceBackend:
             e = jax.lax.dynamic_index_in_dim(ids, j, axis=2, keepdims=False)
             p = jax.lax.dynamic_index_in_dim(pos, j, axis=2, keepdims=False)
             w = jax.lax.dynamic_index_in_dim(recv_w, j, axis=2, keepdims=False)
-            rows = expert_y[jnp.clip(e, 0), jnp.clip(p, 0)].astype(jnp.float32)
-            return acc + jnp.where((e >= 0)[..., None], w[..., None] * rows, 0.0)
+            rows, held = self._held_rows(expert_y, e, p)
+            return acc + jnp.where(held[..., None], w[..., None] * rows.astype(jnp.float32),
+                                   0.0)
 
         shape = (cfg.world_size, cfg.max_num_tokens, cfg.hidden)
         zeros = jnp.zeros_like(recv_w, jnp.float32, shape=shape)  # varying like the data
@@ -236,8 +349,7 @@ class ReferenceBackend:
     def _combine_slot_rows(self, expert_y, ids, pos, indices, weights, num_tokens, live):
         """combine_recv(slot_rows=True): the rows themselves travel home ([max_m, k, H] per
         destination, each slot filled by the one rank that holds its expert)."""
-        rows = expert_y[jnp.clip(ids, 0), jnp.clip(pos, 0)]  # [EP(dest), m, k, H]
-        rows = jnp.where((ids >= 0)[..., None], rows, jnp.zeros((), rows.dtype))
+        rows, _ = self._held_rows(expert_y, ids, pos)  # [EP(dest), m, k, H], zero if none
         got = jnp.sum(self._a2a(rows), axis=0, dtype=rows.dtype)  # one nonzero term per slot
         got = jnp.where(valid_slots(self.cfg, indices, num_tokens)[..., None], got,
                         jnp.zeros((), got.dtype))
