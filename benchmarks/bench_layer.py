@@ -36,12 +36,17 @@ GPU) passes --max-layer-s, or whose compiled step needs more memory than a rank'
 GPU, is skipped with the reason; every error is recorded in its row (never a crash). Every
 decision is taken on values gathered from all ranks, so the ranks stay in step.
 
-Capacity (--capacity-factor, rows at --capacity-tokens of --capacity-configs): needs an AllToAll
-with max_recv_rows/overflow (detected from its signature; else the row says "capacity: not
-supported by this build"). Rows: uniform routing with overflow="drop"; --skew (that fraction of
-each rank's tokens biased onto the k experts 0..k-1, which live on rank 0) with overflow="drop"
-(dropped rows from a2a.dropped_rows(), output finite); and overflow="fail", whose check() must
-raise CapacityExceededError.
+Capacity (--capacity-factor, rows of --capacity-configs): packed rows (--capacity-gemm at
+--capacity-tokens) need an AllToAll with max_recv_rows/overflow, padded rows (--padded-capacity-
+gemm, the batched einsum, at --padded-capacity-tokens: by default --capacity-tokens and the
+prefill sizes of --tokens) one with expert_capacity (rows per local expert,
+MoEConfig.rows_per_expert_for); both are detected from its signature, else the row says
+"capacity: not supported by this build" and runs the worst case. Rows: uniform routing with
+overflow="drop"; --skew (that fraction of each rank's tokens biased onto the k experts 0..k-1,
+which live on rank 0) with overflow="drop" (dropped rows from a2a.dropped_rows(), output
+finite); and overflow="fail", whose check() must raise CapacityExceededError. Order: padded
+capacity rows at decode sizes (the einsum over [L, P, H]: issue 24's likely goal figures), the
+packed ones, the padded ones at prefill sizes, then the padded skew and fail rows.
 
 Writes --out/<name>.json (meta + rows), <name>.md and <name>.png (matplotlib, if installed;
 else `--replot <name>.json` draws it later on another machine), rewritten after every row, so
@@ -88,7 +93,9 @@ from jax_moe_comm.moe import MoELayerConfig, moe_forward  # noqa: E402
 LAYERS = {"V2Lite": (64, 6, 2048, 1408), "R1": (256, 8, 7168, 2048), "tiny": (16, 4, 256, 512)}
 DECODE_MAX_TOKENS = 128  # rows above are prefill rows
 f32, bf16 = jnp.float32, jnp.bfloat16
-CAPACITY = "max_recv_rows" in inspect.signature(AllToAll).parameters
+_A2A_PARAMS = inspect.signature(AllToAll).parameters
+CAPACITY = "max_recv_rows" in _A2A_PARAMS  # the packed capacity
+EXPERT_CAPACITY = "expert_capacity" in _A2A_PARAMS  # the padded one, per local expert
 LAYER_FIELDS = {f.name for f in dataclasses.fields(MoELayerConfig)}
 NO_CAPACITY = "capacity: not supported by this build"
 
@@ -108,7 +115,13 @@ def parse(argv=None):
     p.add_argument("--capacity-factor", type=float, default=1.25, help="0: no capacity rows")
     p.add_argument("--capacity-tokens", default="128,4096")
     p.add_argument("--capacity-configs", default="R1")
-    p.add_argument("--capacity-gemm", default="tokamax", help="option of the capacity rows")
+    p.add_argument("--capacity-gemm", default="tokamax",
+                   help="option of the packed capacity rows")
+    p.add_argument("--padded-capacity-tokens", default="auto",
+                   help="tokens per rank of the padded capacity rows (auto: --capacity-tokens "
+                        "and the prefill sizes of --tokens; '': none)")
+    p.add_argument("--padded-capacity-gemm", default="einsum",
+                   help="option of the padded capacity rows")
     p.add_argument("--skew", type=float, default=0.9,
                    help="fraction of tokens biased onto experts 0..k-1 in skew rows (0: none)")
     p.add_argument("--bf16", action="store_true", help="bf16 dispatch (default fp8)")
@@ -134,6 +147,8 @@ def parse(argv=None):
     p.add_argument("--out", default="")
     p.add_argument("--replot", metavar="JSON", help="only rewrite the .md and .png of a run's "
                    "JSON (e.g. here, where the GPU machine had no matplotlib), then exit")
+    p.add_argument("--plan", action="store_true", help="print the rows this command would "
+                   "run, in order (one JSON object a line), and exit without running any")
     return p.parse_args(argv)
 
 
@@ -280,6 +295,11 @@ class Case:
         return (self.config, self.tokens, self.layout, self.capacity, self.overflow, self.skew)
 
 
+def supported(case: Case) -> bool:
+    """Whether this build's AllToAll takes the capacity of the case's layout."""
+    return EXPERT_CAPACITY if case.layout == "padded" else CAPACITY
+
+
 def combos(args):
     out = []
     for gemm in args.expert_gemm.split(","):
@@ -306,12 +326,21 @@ def plan(args) -> list[Case]:
         return [Case(c, t, lay, g) for c in configs for t in toks for lay, g in which]
 
     cases = rows(decode, first)
+    cap_tokens = [int(t) for t in args.capacity_tokens.split(",") if t]
+    if args.padded_capacity_tokens == "auto":
+        padded_tokens = sorted(set(cap_tokens) | set(prefill))
+    else:
+        padded_tokens = [int(t) for t in args.padded_capacity_tokens.split(",") if t]
+    pg = args.padded_capacity_gemm
     if args.capacity_factor > 0 or args.skew > 0:
         cf = args.capacity_factor
         for c in args.capacity_configs.split(","):
             if c not in LAYERS:
                 continue
-            for t in (int(t) for t in args.capacity_tokens.split(",") if t):
+            if cf > 0:  # the padded einsum over P rows per expert, decode sizes first
+                cases += [Case(c, t, "padded", pg, cf, "drop") for t in padded_tokens
+                          if t <= DECODE_MAX_TOKENS]
+            for t in cap_tokens:
                 if cf > 0:
                     cases.append(Case(c, t, "packed", args.capacity_gemm, cf, "drop"))
                 if args.skew > 0:
@@ -320,10 +349,18 @@ def plan(args) -> list[Case]:
                     if cf > 0:
                         cases.append(Case(c, t, "packed", args.capacity_gemm, cf, "fail",
                                           args.skew, kind="fail_check"))
+            if cf > 0:
+                cases += [Case(c, t, "padded", pg, cf, "drop") for t in padded_tokens
+                          if t > DECODE_MAX_TOKENS]
+            if cf > 0 and args.skew > 0 and padded_tokens:
+                for t in cap_tokens:
+                    cases.append(Case(c, t, "padded", pg, cf, "drop", args.skew))
+                    cases.append(Case(c, t, "padded", pg, cf, "fail", args.skew,
+                                      kind="fail_check"))
     cases += rows(prefill, first) + rows(decode, later) + rows(prefill, later)
     seen, out = set(), []
     for c in cases:
-        if not CAPACITY and c.capacity and c.kind == "layer":  # worst-case buffers instead
+        if not supported(c) and c.capacity and c.kind == "layer":  # worst-case buffers instead
             c = dataclasses.replace(c, capacity=0.0, overflow="", wanted=c.capacity)
         if c not in seen:
             seen.add(c)
@@ -337,11 +374,16 @@ def shape_of(case: Case, world: int):
     L = E // world
     R = case.tokens * world  # max_recv rows per local expert
     packed = R * min(k, L)  # max_recv_total
-    if case.capacity and CAPACITY:
-        packed = min(packed, int(math.ceil(case.capacity * case.tokens * k)))  # ~recv_rows_for
+    per_expert = R  # padded rows per local expert (expert_capacity)
+    if case.capacity and supported(case):
+        if case.layout == "packed":  # ~recv_rows_for
+            packed = min(packed, int(math.ceil(case.capacity * case.tokens * k)))
+        else:  # rows_per_expert_for
+            rows = math.ceil(case.capacity * -(-world * case.tokens * k // E))
+            per_expert = min(R, -(-rows // 8) * 8)
     hot = case.skew * world + (1 - case.skew)  # rank 0's load, in units of the uniform load
     live = case.tokens * k * max(1.0, hot)
-    return dict(E=E, k=k, H=H, F=F, L=L, R=R, packed=packed, live=live)
+    return dict(E=E, k=k, H=H, F=F, L=L, R=R, P=per_expert, packed=packed, live=live)
 
 
 def predict_layer_s(case: Case, world: int, sharing: int, args) -> float:
@@ -350,24 +392,24 @@ def predict_layer_s(case: Case, world: int, sharing: int, args) -> float:
     s = shape_of(case, world)
     g = G.resolve(case.gemm)
     if g == "einsum":
-        rows = s["L"] * s["R"]
+        rows = s["L"] * s["P"]  # P = R unless a padded capacity
     elif g == "ragged_dot" or (g == "masked" and G.masked_inner() == "ragged_dot"):
         rows = s["L"] * s["packed"]  # XLA's dense lowering: every expert over every row
     else:
         rows = s["live"]
     flops = 4 * rows * s["H"] * s["F"]
-    buf_rows = s["L"] * s["R"] if case.layout == "padded" or not CAPACITY else s["packed"]
+    buf_rows = s["L"] * s["P"] if case.layout == "padded" or not CAPACITY else s["packed"]
     nbytes = 4 * s["L"] * s["H"] * s["F"] + 4 * buf_rows * s["H"] * 2
     return sharing * (flops / args.peak_flops + nbytes / args.hbm_bps)
 
 
 def min_bytes(case: Case, world: int) -> int:
     """A lower bound of a step's XLA memory per rank: expert_x and expert_y in bf16 over the
-    padded rows (today's packed layout is gathered from the padded one), or over the packed
-    rows where a capacity bounds them. Rows far past a rank's share skip without compiling."""
+    padded rows (L * P: P the expert capacity, else max_recv), or over the packed rows where a
+    capacity bounds them. Rows far past a rank's share skip without compiling."""
     s = shape_of(case, world)
     rows = s["packed"] if case.layout == "packed" and case.capacity and CAPACITY else \
-        s["L"] * s["R"]
+        s["L"] * s["P"]
     return 2 * rows * s["H"] * 2
 
 
@@ -451,6 +493,7 @@ class Bench:
                              None if limit is None else limit / self.sharing)
         self.params, self.weights_bw, self.refs = {}, {}, {}
         self.handle, self.handle_key, self.comm, self.handle_rows = None, None, {}, None
+        self.handle_expert_capacity = None
         self.rows = []
         tk = G.tokamax_problem()
         self.meta = dict(
@@ -462,7 +505,8 @@ class Bench:
             command=" ".join(["python"] + sys.argv), jax=jax.__version__,
             xla_flags=os.environ.get("XLA_FLAGS", ""), backend_requested=args.backend,
             dispatch_dtype="bf16" if args.bf16 else "fp8", shared_expert=args.shared_expert,
-            capacity_support=CAPACITY, tokamax_problem=tk, masked_inner=G.masked_inner(),
+            capacity_support=CAPACITY, expert_capacity_support=EXPERT_CAPACITY,
+            tokamax_problem=tk, masked_inner=G.masked_inner(),
             hbm_bps_nominal=args.hbm_bps, mem_per_rank_bytes=self.mem_per_rank,
             budget_s=args.budget_s, weights={}, finished=False)
 
@@ -559,10 +603,15 @@ class Bench:
         self.close_handle()
         kw = dict(axis_name="ep", layout=case.layout, backend=self.args.backend,
                   timeout_s=5.0 if case.kind == "fail_check" else self.args.timeout_s)
-        if case.capacity and CAPACITY:
-            kw.update(max_recv_rows=cfg.comm_config(self.world).recv_rows_for(case.capacity),
-                      overflow=case.overflow)
+        if case.capacity and supported(case):
+            comm = cfg.comm_config(self.world)
+            if case.layout == "packed":
+                kw["max_recv_rows"] = comm.recv_rows_for(case.capacity)
+            else:
+                kw["expert_capacity"] = comm.rows_per_expert_for(case.capacity)
+            kw["overflow"] = case.overflow
         self.handle_rows = kw.get("max_recv_rows")
+        self.handle_expert_capacity = kw.get("expert_capacity")
         h, _ = att.do("handle", lambda: AllToAll(cfg.comm_config(self.world), **kw))
         if h is not None:
             self.handle, self.handle_key = h, key
@@ -582,7 +631,7 @@ class Bench:
     def run_case(self, case: Case) -> dict:
         row = self.row_base(case)
         world, args = self.world, self.args
-        if case.kind == "fail_check" and not CAPACITY:
+        if case.kind == "fail_check" and not supported(case):
             row.update(status="skipped", error=NO_CAPACITY)
             return row
         if case.wanted:
@@ -621,6 +670,7 @@ class Bench:
             return row
         comm_cfg = cfg.comm_config(world)
         row.update(max_recv_rows=self.handle_rows, max_recv_total=comm_cfg.max_recv_total,
+                   expert_capacity=self.handle_expert_capacity,
                    max_recv_tokens=comm_cfg.max_recv_tokens)
         mesh, T, H = self.mesh, case.tokens, cfg.hidden
         skew_rows = int(math.ceil(case.skew * T))
@@ -836,7 +886,8 @@ class Bench:
         cases = plan(self.args)
         self.meta["planned_rows"] = len(cases)
         say(f"bench_layer: {len(cases)} rows, {self.world} ranks ({self.sharing} per device), "
-            f"{self.meta['gpu']}, capacity API {'yes' if CAPACITY else 'no'}, tokamax "
+            f"{self.meta['gpu']}, capacity API {'yes' if CAPACITY else 'no'} (packed), "
+            f"{'yes' if EXPERT_CAPACITY else 'no'} (padded), tokamax "
             f"{self.meta['tokamax_problem'] or 'ok'}", flush=True)
         for case in cases:
             row = self.run_case(case)
@@ -872,7 +923,8 @@ def markdown(meta, rows):
     out = [f"# MoE layer step vs its floor: {meta['gpu']}, {meta['world']} ranks "
            f"({meta['ranks_per_gpu']} per device), {meta['date']}", "",
            f"commit {meta['commit']}, jax {meta['jax']}, {meta['dispatch_dtype']} dispatch, "
-           f"MPS share {meta['mps_share']}, capacity API: {meta['capacity_support']}, tokamax: "
+           f"MPS share {meta['mps_share']}, capacity API: {meta['capacity_support']} (packed), "
+           f"{meta.get('expert_capacity_support')} (padded expert_capacity), tokamax: "
            f"{meta['tokamax_problem'] or 'ok'}, elapsed {meta.get('elapsed_s')} s"
            f"{'' if meta.get('finished') else ' (run not finished)'}", "",
            f"    {meta['command']}", "",
@@ -917,15 +969,18 @@ def goals(rows):
         if not here:
             continue
         best = min(here, key=lambda r: r["ratio"])
-        today = {r["layout"]: r for r in here if r["expert_gemm_resolved"] == "einsum"}
-        out.append(f"- {c} {t} tokens: best {best['layout']}/{best['expert_gemm']} "
+        today = {r["layout"]: r for r in here if r["expert_gemm_resolved"] == "einsum"
+                 and not r["capacity_factor"]}
+        cf = f" cf {best['capacity_factor']}" if best["capacity_factor"] else ""
+        out.append(f"- {c} {t} tokens: best {best['layout']}/{best['expert_gemm']}{cf} "
                    f"{best['loop_us']:.1f} µs = {best['ratio']:.2f} x floor "
                    f"{best['floor_us']:.1f} µs ({'ok' if best['ok'] else 'over 1.5x'}); today "
                    + ", ".join(f"{lay} {r['ratio']:.2f}x" for lay, r in sorted(today.items())))
     for c in sorted({r["config"] for r in rows}):
         pk = {r["layout"]: (r.get("peak_bytes") or {}) for r in rows
               if r["config"] == c and r["tokens_per_rank"] == 128 and r["kind"] == "layer"
-              and not r["skew"] and r["expert_gemm_resolved"] == "einsum"}
+              and not r["skew"] and r["expert_gemm_resolved"] == "einsum"
+              and not r["capacity_factor"]}
         if "padded" in pk and "packed" in pk and pk["padded"].get("peak") and \
                 pk["packed"].get("peak"):
             a, b = pk["packed"], pk["padded"]
@@ -939,9 +994,13 @@ def goals(rows):
             what = ("fail raised " + str(r.get("fail_raised")) if r["kind"] == "fail_check"
                     else f"dropped {r.get('dropped_rows')} (one layer, per rank: "
                     f"{r.get('dropped_rows_one_layer')}), finite {r.get('finite')}, loop "
-                    f"{r.get('loop_us')} µs")
+                    f"{r.get('loop_us')} µs, ratio {r.get('ratio')}")
+            rows_ = (f"expert_capacity {r.get('expert_capacity')} of {r.get('max_recv_tokens')}"
+                     if r["layout"] == "padded" else
+                     f"max_recv_rows {r.get('max_recv_rows')} of {r.get('max_recv_total')}")
             out.append(f"- capacity {r['capacity_factor']} {r['overflow']} {r['config']} "
-                       f"{r['tokens_per_rank']} tokens skew {r['skew']}: {r['status']}, {what}"
+                       f"{r['tokens_per_rank']} tokens {r['layout']}/{r['expert_gemm']} "
+                       f"({rows_}) skew {r['skew']}: {r['status']}, {what}"
                        f" {r['error'][:120]} {r['note']}")
     return out or ["- no row finished"]
 
@@ -1010,6 +1069,10 @@ def replot(path: str) -> int:
 def main() -> int:
     if ARGS.replot:
         return replot(ARGS.replot)
+    if ARGS.plan:
+        for case in plan(ARGS):
+            say(json.dumps(dict(dataclasses.asdict(case), phase=case.phase)))
+        return 0
     bench = Bench(ARGS)
     try:
         return bench.run()

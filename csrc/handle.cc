@@ -221,6 +221,11 @@ std::string validate_shape(const Shape& s) {
            std::to_string(s.max_recv_tokens()) + "], or 0 for the worst case";
   if (s.expert_rows > 0 && s.packed())
     return "expert_rows (expert_capacity) is for the padded layout, packed_rows for packed";
+  if (s.row_source_entries() >= (int64_t{1} << 31)) return "row_source overflows int32";
+  // dispatch_recv's dynamic shared memory: first_record [G + 1] and expert_first [L + 1], under
+  // the 48 KB a launch gets without opting in (the kernels' static arrays take ~2 KB).
+  if (s.num_dp_groups() + s.num_local_experts() + 2 > 11000)
+    return "num_dp_groups + num_experts / world_size must be <= 10998";
   return "";
 }
 

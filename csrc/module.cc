@@ -140,13 +140,18 @@ NB_MODULE(_native, m) {
     return std::vector<uint64_t>(state.staged_messages, state.staged_messages + jmc::kNumKernels);
   });
   m.def("dependent_launch", [](int64_t id) { return handle(id)->dependent_launch; });
-  // Rows dropped past the packed capacity since creation or recover() (overflow "drop"):
-  // waits for the device, then reads the pinned error record.
+  // Rows dropped past a capacity since creation or recover() (overflow "drop"): waits for
+  // the device, then reads DeviceState.
   m.def("dropped_rows", [](int64_t id) {
     auto h = handle(id);
     sync_device();
-    return static_cast<uint64_t>(
-        *reinterpret_cast<volatile uint64_t*>(&h->error_host->dropped_rows));
+    uint64_t dropped = 0;
+    const cudaError_t err = cudaMemcpy(&dropped, &h->scratch.state->dropped_rows,
+                                       sizeof(dropped), cudaMemcpyDeviceToHost);
+    if (err != cudaSuccess)
+      throw std::runtime_error(std::string("cudaMemcpy(dropped_rows): ") +
+                               cudaGetErrorString(err));
+    return dropped;
   });
   // The first recorded kernel error ("" if none). Reads pinned memory: no device sync.
   m.def("handle_error", [](int64_t id) {

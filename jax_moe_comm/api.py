@@ -21,14 +21,16 @@ from .config import KernelTuning, MoEConfig
 from .errors import NativeUnavailableError, ProtocolError, ReferenceFallbackWarning
 
 BACKENDS = ("auto", "reference", "nvshmem")
-# "padded": expert_x [L, max_recv, H], each local expert's rows padded to the worst case, for
-# grouped-GEMM kernels that take a batch of equal-size groups. "packed": expert_x
+# "padded": expert_x [L, expert_capacity, H], each local expert's rows padded to a capacity
+# per expert (at most max_recv_tokens, the worst case and the default), for batched GEMMs
+# (a batched einsum, cuBLAS batched GEMM) that take equal-size groups. "packed": expert_x
 # [max_recv_rows, H] with the rows of local expert 0, then 1, ... contiguous (group_sizes
 # [L] says how many), for jax.lax.ragged_dot; max_recv_rows is a capacity, at most
 # max_recv_total (the worst case).
 LAYOUTS = ("padded", "packed")
-# What a packed capacity does with the rows that arrive past it (they are never written):
-# "fail" records a CapacityExceededError that check() raises; "drop" only counts them.
+# What a capacity (packed max_recv_rows, padded expert_capacity) does with the rows that arrive
+# past it (they are never written): "fail" records a CapacityExceededError that check()
+# raises; "drop" only counts them.
 OVERFLOWS = ("fail", "drop")
 
 # Every output of dispatch_recv and combine_recv (and what their gradient rules save) carries
@@ -42,13 +44,13 @@ _named = ad._named
 class DispatchOutput(NamedTuple):
     """What dispatch gives each rank, in the handle's layout.
 
-    layout="padded" (default):
-      expert_x: [L, max_recv, H] dispatch dtype (bf16 when an fp8 handle was given bf16 x: the
+    layout="padded" (default; P = AllToAll.expert_capacity, max_recv by default):
+      expert_x: [L, P, H] dispatch dtype (bf16 when an fp8 handle was given bf16 x: the
         dequantised rows); row r of local expert e is live for r < expert_num_tokens[e], the
         rest is undefined, except zero on a differentiable handle, on the reference backend
         and when dequantised.
-      expert_x_scale: [L, max_recv, H/128] f32 for fp8 dispatch of fp8 x, else None.
-      expert_weights: [L, max_recv] f32.
+      expert_x_scale: [L, P, H/128] f32 for fp8 dispatch of fp8 x, else None.
+      expert_weights: [L, P] f32.
     layout="packed" (C = AllToAll.max_recv_rows, the capacity):
       expert_x: [C, H]: the rows of local expert 0, then of expert 1, ... (group_sizes[e]
         rows each, the ragged_dot layout; sum(group_sizes) <= C); rows >= sum(group_sizes)
@@ -57,14 +59,16 @@ class DispatchOutput(NamedTuple):
       expert_x_scale: [C, H/128] f32 for fp8 dispatch of fp8 x, packed the same way, else
         None.
       expert_weights: [C] f32, packed the same way.
-    expert_num_tokens: [L] int32, rows held per local expert (also `group_sizes`).
+    expert_num_tokens: [L] int32, rows held per local expert (also `group_sizes`; padded: at
+      most P, the rows that arrived past it are not held).
     routing: opaque; hand it to combine unchanged.
     expert_weights: the router weight of the slot that produced each row (repeated experts
       merged; zero past the counts), only when dispatch_send was given weights, else None; it
       carries no gradient (weight in combine to train the router).
-    dropped_rows: int32 (1,): rows that arrived at this rank but did not fit the packed
-      capacity (always 0 when it is the worst case, and for padded). They are not in
-      expert_x; combine counts their slots as expert outputs of zero.
+    dropped_rows: int32 (1,): rows that arrived at this rank but did not fit the capacity:
+      the packed max_recv_rows, or (padded) the sum over local experts of the rows past
+      expert_capacity; always 0 at the worst case. They are not in expert_x; combine counts
+      their slots as expert outputs of zero.
 
     L = num_experts / world_size, max_recv = max_num_tokens * num_token_groups,
     max_recv_total = max_recv * min(experts_per_token, L) (MoEConfig properties).
@@ -320,18 +324,28 @@ class AllToAll:
       num_tokens: int32 of shape (1,) (a global [world_size] array) or () (rows >=
       num_tokens are ignored; it may change every step with no recompilation).
 
-    layout: "padded" gives expert_x [L, max_recv, H]; "packed" gives [max_recv_rows, H] with
-    each local expert's rows contiguous, for jax.lax.ragged_dot (see DispatchOutput), written
-    so by the backend (no padded intermediate).
+    layout: "padded" gives expert_x [L, expert_capacity, H] (a batched einsum, cuBLAS batched
+    GEMM); "packed" gives [max_recv_rows, H] with each local expert's rows contiguous, for
+    jax.lax.ragged_dot and grouped GEMMs (see DispatchOutput), written so by the backend (no
+    padded intermediate).
+
+    expert_capacity (padded only): P, rows per local expert, in [1, config.max_recv_tokens].
+    None: max_recv_tokens, the worst case (nothing can overflow). config.rows_per_expert_for(
+    capacity_factor) sizes it from the mean load per expert under uniform routing (GShard's
+    expert capacity); expert_x then takes L*P*H, and an einsum over it computes L*P rows
+    instead of L*max_recv. An expert's rows past its first P are dropped (which ones is
+    unspecified on the CUDA backend).
 
     max_recv_rows (packed only): the capacity C, packed rows per rank, in [1,
     config.max_recv_total]. None: max_recv_total, the worst case (nothing can overflow).
     config.recv_rows_for(capacity_factor) sizes it from the mean load under uniform routing;
-    expert_x then takes C*H instead of L*max_recv*H. overflow: what happens to the rows that
-    arrive past C (they are never written; the highest local experts' rows go first):
-    "fail" (default) records a CapacityExceededError (check() raises it; it stays until
-    recover()), "drop" drops them without an error. Either way a dropped slot adds nothing to
-    y (as if its expert's output were zero) and gets a zero weight gradient;
+    expert_x then takes C*H instead of L*max_recv*H. The rows past C are dropped: the highest
+    local experts' rows go first.
+
+    overflow: what happens to the rows that arrive past either capacity (they are never
+    written): "fail" (default) records a CapacityExceededError (check() raises it; it stays
+    until recover()), "drop" drops them without an error. Either way a dropped slot adds
+    nothing to y (as if its expert's output were zero) and gets a zero weight gradient;
     DispatchOutput.dropped_rows and dropped_rows() count them.
 
     Every wait for a peer is bounded by `timeout_s`; a peer that never answers surfaces as
@@ -351,13 +365,14 @@ class AllToAll:
     differentiate dispatch (w.r.t. x) and combine (w.r.t. expert_y and weights); padding rows
     of expert_x are then zero. Without it, differentiating raises at trace time. Forward-mode
     (jax.jvp) and jax.vmap are not supported. Rules and DP/fp8 semantics: autodiff.py. Both
-    layouts, with any capacity: the backward handles have the forward's layout (a packed
-    combine backward at the worst-case capacity: it drops nothing).
+    layouts, with any capacity: the backward handles have the forward's layout (the combine
+    backward at the worst-case capacity: it drops nothing).
     """
 
     def __init__(self, config: MoEConfig, *, axis_name: str = "ep", backend: str = "auto",
-                 layout: str = "padded", max_recv_rows: int | None = None,
-                 overflow: str = "fail", tuning: KernelTuning | None = None,
+                 layout: str = "padded", expert_capacity: int | None = None,
+                 max_recv_rows: int | None = None, overflow: str = "fail",
+                 tuning: KernelTuning | None = None,
                  timeout_s: float = 30.0, differentiable: bool = False):
         if _under_trace():
             raise ProtocolError(
@@ -372,52 +387,61 @@ class AllToAll:
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout={layout!r}; expected one of {LAYOUTS}: 'padded' gives "
-                             "expert_x [L, max_recv, H], 'packed' [max_recv_rows, H] for "
-                             "jax.lax.ragged_dot")
+                             "expert_x [L, expert_capacity, H], 'packed' [max_recv_rows, H] "
+                             "for jax.lax.ragged_dot")
         if overflow not in OVERFLOWS:
             raise ValueError(f"overflow={overflow!r}; expected one of {OVERFLOWS}: 'fail' "
                              "(check() raises CapacityExceededError when rows arrive past "
-                             "max_recv_rows) or 'drop' (they are dropped, counted)")
+                             "the capacity: expert_capacity or max_recv_rows) or 'drop' (they "
+                             "are dropped, counted)")
         self.config = config
         self.axis_name = axis_name
         self.layout = layout
         # Packed rows per rank (None for padded): the backends write no more than this.
         self.max_recv_rows = _check_recv_rows(config, layout, max_recv_rows)
+        # Padded rows per local expert (None for packed): likewise.
+        self.expert_capacity = _check_expert_capacity(config, layout, expert_capacity)
         self.overflow = overflow
         self.backend_name = resolve_backend(backend, config)
         self._tuning, self._timeout_s = tuning or KernelTuning.DEFAULT, timeout_s
         self._backends = []  # every handle this object owns, closed together
         try:
-            fwd = self._make_backend(config, self.max_recv_rows)
+            fwd = self._make_backend(config, self.max_recv_rows, self.expert_capacity)
             dispatch_grad = combine_grad = None
             if differentiable:
                 # Handle creation is collective: here, eagerly, never while tracing.
                 bwd = dataclasses.replace(config, dispatch_dtype=jnp.bfloat16,
                                           combine_dtype=jnp.float32)
                 # Its combine half reads d expert_x in the forward's rows: same capacity.
-                dispatch_grad = combine_grad = self._make_backend(bwd, self.max_recv_rows)
+                dispatch_grad = combine_grad = self._make_backend(bwd, self.max_recv_rows,
+                                                                  self.expert_capacity)
                 # dy is dispatched by every DP member (dp_size 1) and must drop nothing (the
                 # worst-case rows): a second handle unless dispatch_grad is that already.
-                drops_nothing = layout == "padded" or self.max_recv_rows == config.max_recv_total
-                if config.dp_size > 1 or not drops_nothing:
+                if config.dp_size > 1 or not self.drops_nothing:
                     dp1 = dataclasses.replace(bwd, token_replicas=1)
+                    packed = layout == "packed"
                     combine_grad = self._make_backend(
-                        dp1, dp1.max_recv_total if layout == "packed" else None)
+                        dp1, dp1.max_recv_total if packed else None,
+                        None if packed else dp1.max_recv_tokens)
         except BaseException:
             for b in self._backends:
                 b.close()
             raise
         self._backend = fwd
-        self._plan = ad.Plan(config, axis_name, ad.Rows.of(config, layout, self.max_recv_rows),
+        self._plan = ad.Plan(config, axis_name, ad.Rows.of(config, layout, self.max_recv_rows,
+                                                           self.expert_capacity),
                              fwd, dispatch_grad, combine_grad)
         self._closed = False
         self._serial = next(_HANDLE_SERIALS)
         self._dispatch_order, self._combine_order = _Half("dispatch"), _Half("combine")
 
-    def _make_backend(self, config: MoEConfig, recv_rows: int | None = None):
+    def _make_backend(self, config: MoEConfig, recv_rows: int | None = None,
+                      expert_capacity: int | None = None):
         """A backend of this handle's layout and overflow; recv_rows: its packed capacity
-        (None for padded)."""
-        layout = dict(layout=self.layout, recv_rows=recv_rows, overflow=self.overflow)
+        (None for padded); expert_capacity: its padded rows per local expert (None for
+        packed)."""
+        layout = dict(layout=self.layout, recv_rows=recv_rows, expert_capacity=expert_capacity,
+                      overflow=self.overflow)
         if self.backend_name == "reference":
             from .backends.reference import ReferenceBackend
 
@@ -437,6 +461,14 @@ class AllToAll:
     @property
     def differentiable(self) -> bool:
         return self._plan.differentiable
+
+    @property
+    def drops_nothing(self) -> bool:
+        """Whether the capacity is the worst case (max_recv_rows == max_recv_total packed,
+        expert_capacity == max_recv_tokens padded): then no row can be dropped."""
+        if self.layout == "packed":
+            return self.max_recv_rows == self.config.max_recv_total
+        return self.expert_capacity == self.config.max_recv_tokens
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
@@ -471,16 +503,19 @@ class AllToAll:
         return sum(b.symmetric_bytes for b in self._backends)
 
     def dropped_rows(self) -> int:
-        """Rows that the packed capacity (max_recv_rows) dropped on this process's ranks since
-        creation or recover(), with either overflow setting, over the dispatches that have
-        run (read it after their results); 0 when nothing can drop."""
+        """Rows that the capacity (packed max_recv_rows, or padded expert_capacity: the rows
+        past it summed over the local experts) dropped on this process's ranks since creation
+        or recover(), with overflow="drop", over the dispatches that have run (read it after
+        their results); 0 when nothing can drop. With overflow="fail" an overflowing cycle
+        drops nothing: it fails, and check() raises CapacityExceededError (on the GPU that
+        cycle's outputs, DispatchOutput.dropped_rows included, are not data)."""
         return self._backend.dropped_rows_total()
 
     def check(self) -> None:
         """Wait for the device, then raise the first error recorded on this handle:
         InvalidRoutingError (bad expert index or num_tokens of a live row; the slot was
-        skipped), CapacityExceededError (overflow="fail": rows arrived past max_recv_rows; they
-        were not written), PeerTimeoutError, PeerAbortedError (a peer failed first),
+        skipped), CapacityExceededError (overflow="fail": rows arrived past max_recv_rows or
+        expert_capacity; they were not written), PeerTimeoutError, PeerAbortedError (a peer failed first),
         CorruptDataError, or ProtocolError (a half's send and recv out of order, or a compiled
         step replayed after close()); also for the backward handles of a differentiable
         handle. On the GPU the error stays recorded and every later check() raises it again,
@@ -591,8 +626,8 @@ class AllToAll:
     def combine_send(self, expert_y, routing) -> PendingCombine:
         """Start sending every expert output row back to its token's home rank(s).
 
-        expert_y: combine dtype, in the handle's layout: [L, max_recv, H] ("padded") or
-        [max_recv_rows, H] ("packed"), row for row as dispatch laid out expert_x.
+        expert_y: combine dtype, in the handle's layout: [L, expert_capacity, H] ("padded")
+        or [max_recv_rows, H] ("packed"), row for row as dispatch laid out expert_x.
         routing: the DispatchOutput.routing of that dispatch.
         """
         return self._combine_send(expert_y, routing, fused=False)
@@ -645,8 +680,10 @@ def _check_recv_rows(config: MoEConfig, layout: str, max_recv_rows) -> int | Non
     if layout != "packed":
         if max_recv_rows is not None:
             raise ValueError(f"max_recv_rows={max_recv_rows!r} is a capacity of the packed "
-                             f"layout; this handle has layout={layout!r}, whose rows per "
-                             "expert are always the worst case. Pass layout='packed' with it")
+                             f"layout (rows per rank); this handle has layout={layout!r}, whose "
+                             "capacity is expert_capacity= (rows per local expert, "
+                             "config.rows_per_expert_for(capacity_factor)). Pass "
+                             "layout='packed' with it, or expert_capacity= instead")
         return None
     if max_recv_rows is None:
         return config.max_recv_total
@@ -658,6 +695,29 @@ def _check_recv_rows(config: MoEConfig, layout: str, max_recv_rows) -> int | Non
             f"is the default). config.recv_rows_for(capacity_factor) sizes it from the mean "
             f"load, expected_recv_rows={config.expected_recv_rows}")
     return int(max_recv_rows)
+
+
+def _check_expert_capacity(config: MoEConfig, layout: str, expert_capacity) -> int | None:
+    """The padded capacity AllToAll(expert_capacity=...) stands for; None for packed."""
+    if layout != "padded":
+        if expert_capacity is not None:
+            raise ValueError(f"expert_capacity={expert_capacity!r} is a capacity of the padded "
+                             f"layout (rows per local expert); this handle has layout="
+                             f"{layout!r}, whose capacity is max_recv_rows= (rows per rank, "
+                             "config.recv_rows_for(capacity_factor)). Pass layout='padded' "
+                             "with it, or max_recv_rows= instead")
+        return None
+    if expert_capacity is None:
+        return config.max_recv_tokens
+    if isinstance(expert_capacity, bool) or not isinstance(expert_capacity, (int, np.integer)) \
+            or not 1 <= expert_capacity <= config.max_recv_tokens:
+        raise ValueError(
+            f"expert_capacity={expert_capacity!r} must be an int in [1, max_recv_tokens="
+            f"{config.max_recv_tokens}] (padded rows per local expert; the worst case, "
+            f"max_recv_tokens, is the default). config.rows_per_expert_for(capacity_factor) "
+            f"sizes it from the mean load, expected_rows_per_expert="
+            f"{config.expected_rows_per_expert}")
+    return int(expert_capacity)
 
 
 # -- packed layout helpers ---------------------------------------------------------------------

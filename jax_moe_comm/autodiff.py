@@ -32,7 +32,7 @@ and f32 combine:
   * `combine_grad`: dp_size 1, so that every member of a DP group sends its own dy (the fan-in
     above; with the forward's dp_size only one member would); its DISPATCH half carries dy.
     When the forward has dp_size 1, both are one handle (its two halves are independent),
-    unless the forward is packed with a capacity below the worst case (see Layouts).
+    unless the forward has a capacity below the worst case (see Layouts).
 Why not the forward handle: XLA orders ops by data only, and nothing orders a layer's backward
 all-to-alls against forward cycles that do not feed it (a rematerialised forward, or other
 work the user puts in the same jit): on one handle XLA could put two cycles in flight. On
@@ -41,11 +41,12 @@ at a time: layer i's backward needs layer i+1's d x, which is the recv of layer 
 backward all-to-all; and the forward cycles of a sequential model all precede the loss.
 
 Layouts. Every handle of a plan has the forward's layout. dispatch_grad also has its capacity
-(packed rows per rank, `recv_rows`): its combine half reads d expert_x in the forward's rows.
-combine_grad has the worst-case capacity, so its dispatch of dy drops nothing (which rows a
-capacity drops may differ from one dispatch to the next); its rows are matched to the
-forward's by key, so the result is in the forward's layout. A row the forward dropped is in
-no layout: its slot gets no d x, no d expert_y and a zero d weight (its y term was zero).
+(packed rows per rank, `recv_rows`, or padded rows per local expert, `expert_capacity`): its
+combine half reads d expert_x in the forward's rows. combine_grad has the worst-case capacity,
+so its dispatch of dy drops nothing (which rows a capacity drops may differ from one dispatch
+to the next); its rows are matched to the forward's by key, so the result is in the forward's
+layout ([recv_rows, H] or [L, expert_capacity, H]). A row the forward dropped is in no
+layout: its slot gets no d x, no d expert_y and a zero d weight (its y term was zero).
 
 jax.checkpoint: on the nvshmem backend the all-to-alls run once in the forward pass and their
 outputs are saved (the remat rule of backends/ffi_call.py; allow_remat_of_ffi_calls where that
@@ -97,17 +98,18 @@ NEEDS_BACKWARD = ("{op} is being differentiated, but this AllToAll has no backwa
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
-    """How a handle lays out dispatch's rows: `padded` [L, R] (R = max_recv_tokens) or packed
-    [recv_rows]."""
+    """How a handle lays out dispatch's rows: `padded` [L, P] (P = expert_capacity, by default
+    max_recv_tokens) or packed [recv_rows]."""
 
     packed: bool
-    count: int  # R (padded: rows per local expert) or recv_rows (packed: rows in all)
+    count: int  # P (padded: rows per local expert) or recv_rows (packed: rows in all)
 
     @classmethod
-    def of(cls, cfg: MoEConfig, layout: str, recv_rows: int | None = None) -> "Rows":
+    def of(cls, cfg: MoEConfig, layout: str, recv_rows: int | None = None,
+           expert_capacity: int | None = None) -> "Rows":
         if layout == "packed":
             return cls(True, recv_rows or cfg.max_recv_total)
-        return cls(False, cfg.max_recv_tokens)
+        return cls(False, expert_capacity or cfg.max_recv_tokens)
 
     def live(self, counts):
         """Mask of the rows that hold data: [L, R] r < counts[e], or [recv_rows] i <
@@ -416,7 +418,7 @@ combine_recv = jax.jit(_combine_recv, static_argnums=(0,))  # staged, as dispatc
 
 
 def combine_grad(plan: Plan, dy, routing, indices, weights, num_tokens):
-    """d expert_y f32 in the forward's layout ([L, R, H] or [recv_rows, H]): dy dispatched
+    """d expert_y f32 in the forward's layout ([L, P, H] or [recv_rows, H]): dy dispatched
     (bf16, with the forward's routing and weights) on the dispatch half of the combine_grad
     handle (dp_size 1: every DP member sends its own dy; worst-case rows: none dropped), each
     arriving row scaled by its weight, then moved to the forward row with the same (group,

@@ -14,7 +14,8 @@ import numpy as np
 SCALE_BLOCK = 128
 # Every token row travels as whole 16-byte vectors.
 ROW_ALIGN_BYTES = 16
-# recv_rows_for rounds a capacity up to a multiple of this many rows (whole GEMM tiles).
+# recv_rows_for and rows_per_expert_for round a capacity up to a multiple of this many rows
+# (whole GEMM tiles).
 RECV_ROWS_ALIGN = 8
 
 DISPATCH_DTYPES = (jnp.bfloat16, jnp.float8_e4m3fn)
@@ -155,6 +156,23 @@ class MoEConfig:
         mean load; real routing is skewed, so leave headroom (e.g. 1.25-2)."""
         rows = math.ceil(check_capacity_factor(capacity_factor) * self.expected_recv_rows)
         return min(self.max_recv_total, -(-rows // RECV_ROWS_ALIGN) * RECV_ROWS_ALIGN)
+
+    @property
+    def expected_rows_per_expert(self) -> int:
+        """Rows one expert receives on average when routing is uniform: every token group's
+        max_m tokens times k slots, spread over the num_experts experts. The unit of a
+        per-expert capacity factor (rows_per_expert_for)."""
+        slots = self.num_token_groups * self.max_num_tokens * self.experts_per_token
+        return -(-slots // self.num_experts)
+
+    def rows_per_expert_for(self, capacity_factor: float) -> int:
+        """Padded rows per local expert for a capacity factor (AllToAll(expert_capacity=...),
+        GShard's expert capacity): capacity_factor * expected_rows_per_expert, rounded up to a
+        multiple of 8, at most max_recv_tokens (the worst case, where nothing can overflow).
+        expert_x is then [L, this, H] instead of [L, max_recv_tokens, H]; leave headroom for
+        skewed routing (e.g. 1.25-2)."""
+        rows = math.ceil(check_capacity_factor(capacity_factor) * self.expected_rows_per_expert)
+        return min(self.max_recv_tokens, -(-rows // RECV_ROWS_ALIGN) * RECV_ROWS_ALIGN)
 
     @property
     def num_scales(self) -> int:

@@ -4,10 +4,12 @@
     python -m jax_moe_comm.launch -n 8 [--oversubscribe] -- python -m jax_moe_comm.demo
     python -m jax_moe_comm.demo --train              # training steps (jax.grad + Adam)
     python -m jax_moe_comm.demo --capacity-factor 1.25 --overflow drop   # a packed capacity
+    python -m jax_moe_comm.demo --layout padded --capacity-factor 1.25   # per-expert capacity
 
 Prints the config, the max error against the same layer computed densely on one device, the
-time per step and tokens/s. With --capacity-factor: the packed capacity, its memory against the
-padded layout's, and how many rows it dropped (steps that dropped rows are not compared). With
+time per step and tokens/s. With --capacity-factor: the capacity (packed rows per rank, or padded
+rows per local expert), its memory against the worst-case padded layout's, and how many rows it
+dropped (steps that dropped rows are not compared). With
 --train: the layer is trained to fit a fixed random linear map of fresh random tokens each step
 (jax.grad through dispatch/combine, an optax Adam update if optax is installed: pip install
 'jax_moe_comm[train]'), and the loss must go down.
@@ -37,8 +39,10 @@ def _parse(argv):
     p.add_argument("--layout", default="packed", choices=("packed", "padded"),
                    help="expert layout: packed rows (default), or padded [L, max_recv, H]")
     p.add_argument("--capacity-factor", type=float, default=None,
-                   help="packed rows per rank as a multiple of the mean load "
-                        "(MoEConfig.recv_rows_for; default: the worst case, nothing drops)")
+                   help="the capacity as a multiple of the mean load: packed rows per rank "
+                        "(MoEConfig.recv_rows_for) or, with --layout padded, rows per local "
+                        "expert (MoEConfig.rows_per_expert_for); default: the worst case, "
+                        "nothing drops")
     p.add_argument("--overflow", default="fail", choices=("fail", "drop"),
                    help="rows past the capacity: fail (check() raises) or drop (counted; "
                         "steps that dropped rows are not compared with the dense layer)")
@@ -97,14 +101,20 @@ def main(argv=None) -> int:
         f"H={cfg.hidden} F={cfg.ffn} max_tokens/rank={cfg.max_num_tokens} "
         f"dispatch={'fp8' if cfg.fp8_dispatch else 'bf16'} shared_expert={cfg.shared_expert} "
         f"layout={a2a.layout} expert_gemm={expert_gemm.resolve(cfg.expert_gemm)}")
+    comm = a2a.config
+    row_bytes = comm.hidden * comm.dispatch_dtype.itemsize
+    padded = comm.num_local_experts * comm.max_recv_tokens * row_bytes
     if a2a.layout == "packed":
-        comm = a2a.config
-        row_bytes = comm.hidden * comm.dispatch_dtype.itemsize
-        padded = comm.num_local_experts * comm.max_recv_tokens * row_bytes
         say(f"packed capacity: {a2a.max_recv_rows} rows per rank (worst case "
             f"{comm.max_recv_total}, mean load {comm.expected_recv_rows}), overflow="
             f"{a2a.overflow}: expert_x {a2a.max_recv_rows * row_bytes / 2**20:.2f} MiB per "
             f"rank, padded {padded / 2**20:.2f} MiB")
+    elif a2a.expert_capacity < comm.max_recv_tokens:
+        mine = comm.num_local_experts * a2a.expert_capacity * row_bytes
+        say(f"expert capacity: {a2a.expert_capacity} rows per local expert (worst case "
+            f"{comm.max_recv_tokens}, mean load {comm.expected_rows_per_expert}), overflow="
+            f"{a2a.overflow}: expert_x {mine / 2**20:.2f} MiB per rank, worst case "
+            f"{padded / 2**20:.2f} MiB")
 
     params = init_params(cfg, args.seed)
     if args.train:
@@ -170,7 +180,7 @@ def main(argv=None) -> int:
 def _dropped_anywhere(a2a, before: int) -> bool:
     """Whether the step just run dropped rows on any process (this process's count was
     `before`): its y then lacks those slots' terms, on whichever rank their tokens live."""
-    if a2a.layout != "packed" or a2a.max_recv_rows == a2a.config.max_recv_total:
+    if a2a.drops_nothing:
         return False  # a worst-case capacity drops nothing
     from . import bootstrap
 

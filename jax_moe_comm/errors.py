@@ -24,10 +24,12 @@ class CorruptDataError(MoECommError):
 
 
 class CapacityExceededError(MoECommError):
-    """More rows arrived at a rank than the packed layout's capacity (AllToAll(max_recv_rows=
-    ...)) holds, with overflow="fail". The rows past the capacity were not written; the message
-    names the rank, the rows that arrived and the capacity. The error stays recorded until
-    recover(). Raise max_recv_rows (or the capacity factor), or pass overflow="drop"."""
+    """More rows arrived at a rank than its capacity holds, with overflow="fail": the packed
+    layout's rows per rank (AllToAll(max_recv_rows=...)) or the padded layout's rows per local
+    expert (AllToAll(expert_capacity=...)). The rows past the capacity were not written; the
+    message (starting "CapacityExceeded:") names the rank, the rows that arrived (past the
+    capacity, for expert_capacity) and the capacity. The error stays recorded until recover().
+    Raise the capacity (or the capacity factor), or pass overflow="drop"."""
 
 
 class ProtocolError(MoECommError):

@@ -4,8 +4,11 @@ Every local expert e is a SiLU MLP, y = silu(x @ w_in[e]) @ w_out[e] over its ow
 inputs, f32 accumulation, the hidden activation rounded to bf16). The MoE layer's
 `expert_gemm` option (MoELayerConfig(expert_gemm=...)) says how the two GEMMs run:
 
-- "einsum": a batched einsum over the padded layout [L, R, H]: every one of the L*R rows,
-  live or not (R = max_recv, the worst case: at R1 with 128 tokens per rank, 32x the live rows).
+- "einsum": a batched einsum over the padded layout [L, P, H]: every one of the L*P rows,
+  live or not. P is the handle's expert_capacity: by default max_recv, the worst case (at R1
+  with 128 tokens per rank, 32x the live rows); with AllToAll(expert_capacity=
+  cfg.rows_per_expert_for(1.25)) about 1.25x them (MoELayerConfig(capacity_factor=1.25) on the
+  padded layout).
 - "ragged_dot": jax.lax.ragged_dot on packed rows [T, H] (group_sizes [L]). XLA lowers it as
   a dense masked matmul over every local expert (on GPU unless a grouped-GEMM lowering is
   switched on, always on CPU): L times the FLOPs of the T packed rows.
@@ -127,7 +130,8 @@ def resolve(option: str = "auto", platform: str | None = None) -> str:
 
 # -- one function per option, each on its own layout ------------------------------------------
 def einsum_mlp(x, w_in, w_out, out_dtype=f32):
-    """"einsum": padded x [L, R, H] -> [L, R, H], every row computed."""
+    """"einsum": padded x [L, P, H] -> [L, P, H], every row computed (P: the handle's
+    expert_capacity)."""
     h = jax.nn.silu(jnp.einsum("lrh,lhf->lrf", x, w_in, preferred_element_type=f32))
     y = jnp.einsum("lrf,lfh->lrh", h.astype(bf16), w_out, preferred_element_type=f32)
     return y.astype(out_dtype)
@@ -193,11 +197,13 @@ def expert_mlp(x, counts, w_in, w_out, option: str = "auto", *, out_dtype=f32,
                rows_per_expert: int | None = None, total_rows: int | None = None):
     """This rank's experts on dispatch's rows, in x's layout, through `option` (OPTIONS).
 
-    x: padded [L, R, H] (row r of expert e live for r < counts[e]) or packed [T, H] (expert
-    0's rows, then 1's, ...; counts = group_sizes), bf16. w_in [L, H, F], w_out [L, F, H] bf16.
-    Returns [L, R, H] or [T, H] in out_dtype; only the live rows are defined.
-    rows_per_expert (MoEConfig.max_recv_tokens) and total_rows (MoEConfig.max_recv_total)
-    size the other layout when the option converts (defaults: T, and L*R).
+    x: padded [L, P, H] (P rows per expert: the handle's expert_capacity; row r of expert e
+    live for r < counts[e]) or packed [T, H] (expert 0's rows, then 1's, ...; counts =
+    group_sizes), bf16. w_in [L, H, F], w_out [L, F, H] bf16. Returns [L, P, H] or [T, H] in
+    out_dtype; only the live rows are defined.
+    rows_per_expert (packed x: the most rows one expert can hold, min(T, max_recv_tokens))
+    and total_rows (padded x: the most live rows in all, min(L*P, max_recv_total)) size the
+    other layout when the option converts (defaults: T, and L*P).
     """
     option = resolve(option)
     packed_fn = _grouped_mlp if option == "masked" else _PACKED_FNS.get(option)

@@ -122,8 +122,10 @@ class MoE(nnx.Module):
       LOGICAL_AXES as `logical_axes` metadata), so nnx.eval_shape, sharded init and Orbax
       restore place them without creating the handle.
     backend, layout, differentiable, expert_gemm, fp8_dispatch: as AllToAll / MoELayerConfig.
-    capacity_factor, overflow (layout="packed"): as MoELayerConfig: each handle's packed rows
-      per rank are capacity_factor times its budget's mean load (MoEConfig.recv_rows_for).
+    capacity_factor, overflow: as MoELayerConfig: each handle's capacity is capacity_factor
+      times its budget's mean load under uniform routing: packed rows per rank
+      (MoEConfig.recv_rows_for) with layout="packed", padded rows per local expert
+      (MoEConfig.rows_per_expert_for, for the batched einsum) with layout="padded".
     eager_handles: create the handles now when not tracing (else: create_handles(model)).
     """
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import expert_gemm as gemm
 from . import quant
-from .api import OVERFLOWS, AllToAll, order_after
+from .api import LAYOUTS, OVERFLOWS, AllToAll, order_after
 from .config import MoEConfig, check_capacity_factor
 
 # The fp8 block quantization now lives in quant.py (dispatch quantizes bf16 x itself).
@@ -37,9 +37,11 @@ class MoELayerConfig:
     dp_size: int = 1  # ranks per DP group (they hold the same tokens)
     # how the expert MLPs' GEMMs run: expert_gemm.OPTIONS ("auto": fastest on the platform)
     expert_gemm: str = "auto"
-    # Packed rows per rank as a multiple of the mean load (MoEConfig.recv_rows_for); None:
-    # the worst case, nothing drops. Packed layout only. overflow: AllToAll's, for the rows
-    # past that capacity ("fail": check() raises; "drop": their slots add nothing to y).
+    # The handle's capacity as a multiple of the mean load under uniform routing: packed rows
+    # per rank (MoEConfig.recv_rows_for -> max_recv_rows) or padded rows per local expert
+    # (MoEConfig.rows_per_expert_for -> expert_capacity); None: the worst case, nothing
+    # drops. overflow: AllToAll's, for the rows past that capacity ("fail": check() raises;
+    # "drop": their slots add nothing to y).
     capacity_factor: float | None = None
     overflow: str = "fail"
 
@@ -58,16 +60,18 @@ class MoELayerConfig:
 
     def handle_kwargs(self, world_size: int, layout: str) -> dict:
         """AllToAll keyword arguments for this layer on world_size ranks in `layout`: the
-        layout, and the packed capacity of capacity_factor with its overflow policy.
-        AllToAll(cfg.comm_config(world), **cfg.handle_kwargs(world, layout), ...)."""
+        layout, and the capacity of capacity_factor (packed: max_recv_rows =
+        recv_rows_for(f); padded: expert_capacity = rows_per_expert_for(f)) with its overflow
+        policy. AllToAll(cfg.comm_config(world), **cfg.handle_kwargs(world, layout), ...)."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout={layout!r}; expected one of {LAYOUTS}")
         kwargs = dict(layout=layout, overflow=self.overflow)
         if self.capacity_factor is not None:
-            if layout != "packed":
-                raise ValueError(f"capacity_factor={self.capacity_factor} sizes the packed "
-                                 f"layout's rows; layout={layout!r} always holds the worst "
-                                 "case. Use layout='packed', or capacity_factor=None")
-            kwargs["max_recv_rows"] = self.comm_config(world_size).recv_rows_for(
-                self.capacity_factor)
+            comm = self.comm_config(world_size)
+            if layout == "packed":
+                kwargs["max_recv_rows"] = comm.recv_rows_for(self.capacity_factor)
+            else:
+                kwargs["expert_capacity"] = comm.rows_per_expert_for(self.capacity_factor)
         return kwargs
 
 
@@ -110,11 +114,16 @@ def experts_forward(a2a: AllToAll, params, out, expert_gemm: str = "auto"):
     if out.expert_x_scale is not None:
         ex = dequantize_fp8(ex, out.expert_x_scale).astype(jnp.bfloat16)
     cfg = a2a.config
-    # total_rows sizes the packed view of padded rows ("masked"): at most the capacity
-    total_rows = a2a.max_recv_rows or cfg.max_recv_total
+    # The other layout's size, for an option that converts: the most rows that can be live.
+    if ex.ndim == 3:  # padded [L, P, H]: P = expert_capacity rows per expert
+        rows_per_expert = ex.shape[1]
+        total_rows = min(cfg.max_recv_total, cfg.num_local_experts * rows_per_expert)
+    else:  # packed [C, H]: one expert holds at most min(C, max_recv_tokens) of them
+        total_rows = ex.shape[0]
+        rows_per_expert = min(total_rows, cfg.max_recv_tokens)
     return gemm.expert_mlp(ex, out.expert_num_tokens, params["w_in"], params["w_out"],
                            expert_gemm, out_dtype=cfg.combine_dtype,
-                           rows_per_expert=cfg.max_recv_tokens, total_rows=total_rows)
+                           rows_per_expert=rows_per_expert, total_rows=total_rows)
 
 
 def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens, drop=None,

@@ -194,6 +194,14 @@ def capacity_counts(arrived: np.ndarray, capacity: int) -> np.ndarray:
     return np.clip(capacity - starts, 0, arrived)
 
 
+def kept_counts(a2a: AllToAll, arrived: np.ndarray) -> np.ndarray:
+    """Rows the handle's capacity keeps per local expert when `arrived` [L] rows arrive:
+    capacity_counts (packed), or min(arrived, expert_capacity) (padded)."""
+    if a2a.layout == "packed":
+        return capacity_counts(arrived, a2a.max_recv_rows)
+    return np.minimum(arrived, a2a.expert_capacity)
+
+
 def expected_y(cfg: MoEConfig, inp: Inputs, rank: int) -> np.ndarray:
     xs = None if inp.x_scale is None else inp.x_scale[rank]
     return combined_oracle(cfg, inp, rank, dequantize(inp.x[rank], xs))
@@ -244,15 +252,26 @@ def global_inputs(cfg: MoEConfig, mesh, inp: Inputs):
 
 
 def can_drop(a2a: AllToAll) -> bool:
-    """Whether the handle's packed capacity is below the worst case (rows can drop)."""
-    return a2a.layout == "packed" and a2a.max_recv_rows < a2a.config.max_recv_total
+    """Whether the handle's capacity (packed max_recv_rows, padded expert_capacity) is below
+    the worst case (rows can drop)."""
+    return not a2a.drops_nothing
+
+
+def dropped_keys_length(a2a: AllToAll) -> int:
+    """Length of backend.row_keys(routing, dropped=True) per rank: max_recv_total -
+    max_recv_rows (packed); max_recv_total (padded with expert_capacity below the worst
+    case), else 0."""
+    cfg = a2a.config
+    if a2a.layout == "packed":
+        return cfg.max_recv_total - a2a.max_recv_rows
+    return 0 if a2a.drops_nothing else cfg.max_recv_total
 
 
 def make_step(a2a: AllToAll, mesh, split: bool = False, dropped: bool = False):
     """jit(shard_map) of dispatch -> test experts -> combine; returns every output per rank:
     (expert_x, scales, counts, y), and with dropped=True (a handle that can_drop) also the
-    keys of the dropped rows ([max_recv_total - max_recv_rows] per rank) and their number
-    ((1,) per rank)."""
+    keys of the dropped rows ([dropped_keys_length(a2a)] per rank) and their number ((1,) per
+    rank)."""
     cfg = a2a.config
     axis = mesh.axis_names[0]
     spec = P(axis)
@@ -305,11 +324,10 @@ def local_blocks(arr, per_rank: int) -> dict[int, np.ndarray]:
 def run_and_check(a2a: AllToAll, mesh, inp: Inputs, split: bool = False, step=None) -> float:
     """One step on every rank; checks this process's ranks; returns the max combine error.
 
-    On a handle whose packed capacity can drop rows, the step must be make_step(...,
-    dropped=True): each rank must keep exactly capacity_counts of the rows that arrive and
-    report the rest by key; dispatch and combine are then checked against the inputs without
-    the dropped slots (combine only when every rank is on this process: it needs every
-    rank's keys)."""
+    On a handle whose capacity can drop rows, the step must be make_step(..., dropped=True):
+    each rank must keep exactly kept_counts of the rows that arrive and report the rest by
+    key; dispatch and combine are then checked against the inputs without the dropped slots
+    (combine only when every rank is on this process: it needs every rank's keys)."""
     cfg = a2a.config
     drops = can_drop(a2a)
     step = step or make_step(a2a, mesh, split, dropped=drops)
@@ -320,11 +338,11 @@ def run_and_check(a2a: AllToAll, mesh, inp: Inputs, split: bool = False, step=No
                              local_blocks(counts, L), local_blocks(y, m))
     expect = inp
     if drops:
-        keys_b = local_blocks(dropped[0], cfg.max_recv_total - a2a.max_recv_rows)
+        keys_b = local_blocks(dropped[0], dropped_keys_length(a2a))
         n_b = local_blocks(dropped[1], 1)
         for rank in sorted(keys_b):
             arrived = [sum(c.values()) for c in expected_rows(cfg, inp, rank).values()]
-            kept = capacity_counts(np.array(arrived), a2a.max_recv_rows)
+            kept = kept_counts(a2a, np.array(arrived))
             np.testing.assert_array_equal(c_b[rank], kept,
                                           err_msg=f"rank {rank}: rows kept per expert")
             n = int(n_b[rank][0])
@@ -418,7 +436,7 @@ def make_grad_step(a2a: AllToAll, mesh, split: bool = False, plain: bool = False
 
     plain=True: plain-JAX autodiff of the reference backend's ops instead of the rules (the
     ground truth); on an fp8 handle, of a bf16 reference backend after quant.fake_quantize.
-    Either in the handle's layout and capacity (a packed capacity drops the same rows on the
+    Either in the handle's layout and capacity (a capacity drops the same rows on the
     reference backend whatever the dtype: the choice depends on the routing only).
     """
     cfg = a2a.config
@@ -431,7 +449,8 @@ def make_grad_step(a2a: AllToAll, mesh, split: bool = False, plain: bool = False
 
         bf16_cfg = dataclasses.replace(cfg, dispatch_dtype=jnp.bfloat16)
         ref = ReferenceBackend(bf16_cfg, axis, check_routing=False, layout=a2a.layout,
-                               recv_rows=a2a.max_recv_rows, overflow="drop")
+                               recv_rows=a2a.max_recv_rows, expert_capacity=a2a.expert_capacity,
+                               overflow="drop")
 
     def layer(x, indices, weights, nt):
         rank = jax.lax.axis_index(axis)

@@ -11,7 +11,10 @@ The reference backend cannot run here with several ranks on one GPU (NCCL refuse
 rank checks its own gradients against the numpy oracle (dispatch/combine with f_e(x) = c_e x)
 and against the dense layer computed on its own device. Cases:
   ops     d x, d weights of sum <G, combine(c_e * dispatch(x))>, fused and split, four routings,
-          padded and packed layouts (packed: rows the kernels write in place, issue 24)
+          padded and packed layouts (packed: rows the kernels write in place, issue 24); and
+          padded with an expert_capacity P below the worst case that these inputs fit (the
+          busiest expert's rows): expert_x [L, P], the backward of combine on its own
+          worst-case handle, nothing dropped
   layer   every gradient of the MoE layer (router, experts, shared expert, input) within bf16
           tolerance of the dense layer's; stacked layers under jax.checkpoint interleave the
           forward recomputation with other layers' backward all-to-alls (or, with the
@@ -102,6 +105,33 @@ def main() -> int:
                 a2a.check()
                 mib = a2a.symmetric_bytes / 2**20
                 return f"max rel err {worst:.3g} symmetric={mib:.1f} MiB/rank (with backward)"
+
+    for name, cfg in op_configs(args.quick):
+        @case(f"EP{WORLD}-ops-{name}-padded-capacity")
+        def run_capacity(cfg=cfg):
+            inputs = []
+            for seed, routing in enumerate(("random", "duplicates", "empty_ranks")):
+                s = 1000 * seed + WORLD + 7
+                inputs.append((routing, T.make_inputs(cfg, s, routing), T.loss_cotangent(cfg, s)))
+            P = max(1, max(sum(c.values()) for _, inp, _ in inputs for r in range(WORLD)
+                           for c in T.expected_rows(cfg, inp, r).values()))
+            if P >= cfg.max_recv_tokens:
+                return f"nothing to check: the busiest expert gets the worst case, {P} rows"
+            with AllToAll(cfg, backend=args.backend, expert_capacity=P,
+                          differentiable=True) as a2a:  # overflow="fail": a drop would raise
+                steps = (T.make_grad_step(a2a, mesh), T.make_grad_step(a2a, mesh, split=True))
+                worst = 0.0
+                for routing, inp, G in inputs:
+                    for kind, step in zip(("fused", "split"), steps):
+                        try:
+                            worst = max(worst, T.check_grads_against_oracle(
+                                a2a, mesh, inp, G, step=step))
+                        except AssertionError as e:
+                            raise AssertionError(f"routing {routing}, {kind} step: {e}") \
+                                from None
+                a2a.check()
+                assert a2a.dropped_rows() == 0, a2a.dropped_rows()
+            return f"P={P} of {cfg.max_recv_tokens} rows per expert, max rel err {worst:.3g}"
 
     for name, cfg, drop_rate, layers, remat in layer_cases():
         @case(f"EP{WORLD}-layer-{name}")

@@ -9,11 +9,12 @@
 - the MoE layer with ragged_dot on the packed layout against the dense layer and against the
   padded layout's einsum;
 - the Flax module decoding with a different token count per rank each step, compiled once;
-- a packed capacity below the worst case (issue 24): overflow="drop" in a jitted fori_loop of
-  cycles that alternate a routing that overflows rank 0 with one that fits, every cycle's y
-  checked on the device against the dense sum without exactly the dropped slots, the dropped
-  counts exact; overflow="fail" raises CapacityExceededError (PeerAborted elsewhere), and
-  after recover() the same compiled step runs right;
+- a packed capacity below the worst case, and a padded per-expert capacity (issue 24):
+  overflow="drop" in a jitted fori_loop of cycles that alternate a routing that overflows
+  rank 0 with one that fits, every cycle's y checked on the device against the dense sum
+  without exactly the dropped slots, the dropped counts exact; overflow="fail" raises
+  CapacityExceededError (PeerAborted elsewhere), and after recover() the same compiled step
+  runs right;
 - --bench: the demo layer's step time, padded einsum vs packed ragged_dot (XLA's default
   lowering, and cuDNN's grouped GEMM through xla_gpu_experimental_use_ragged_dot_fusion).
 
@@ -215,7 +216,9 @@ def main() -> int:
 
 # -- capacity (issue 24) ----------------------------------------------------------------------
 # L >= k, so the "skewed" routing sends every token's k slots to rank 0's experts: rank 0 gets
-# the worst case W * m * k rows, over C = recv_rows_for(1.0) (the mean, m * k here).
+# the worst case W * m * k rows, over C = recv_rows_for(1.0) (the mean, m * k here); padded,
+# each of experts 0..k-1 gets W * m rows, over P = rows_per_expert_for(1.0) (8: the mean, 4,
+# up to a multiple of 8). The spread routing gives every expert 4 rows: it fits either.
 CAP_CFG = dict(num_experts=4 * WORLD, experts_per_token=2, hidden=256, max_num_tokens=8,
                world_size=WORLD)
 
@@ -286,51 +289,71 @@ def totals(tag, results):
 
 
 def capacity_cases(mesh):
+    for layout in ("packed", "padded"):
+        capacity_layout_cases(mesh, layout)
+
+
+def capacity_layout_cases(mesh, layout):
     cfg = MoEConfig(**CAP_CFG)
     m, k = cfg.max_num_tokens, cfg.experts_per_token
-    C = cfg.recv_rows_for(1.0)
-    over = WORLD * m * k - C  # rank 0's overflow in a skewed cycle
+    if layout == "packed":
+        C = cfg.recv_rows_for(1.0)
+        over = WORLD * m * k - C  # rank 0's overflow in a skewed cycle
+        capacity = dict(layout="packed", max_recv_rows=C)
+        named = [str(WORLD * m * k), str(C)]  # rows arrived, the capacity
+        sized = f"C={C} of {cfg.max_recv_total}"
+    else:
+        C = cfg.rows_per_expert_for(1.0)
+        over = k * max(0, WORLD * m - C)  # experts 0..k-1 of rank 0, W*m rows each
+        capacity = dict(layout="padded", expert_capacity=C)
+        named = []  # the prefix only: the nvshmem wording is its own (the CPU suite checks ours)
+        sized = f"P={C} of {cfg.max_recv_tokens} per expert"
+    assert over > 0, "the skewed cycle must overflow rank 0 (WORLD >= 2)"
     rng = np.random.default_rng(5)
     x0 = put(mesh, rng.standard_normal((WORLD * m, cfg.hidden)).astype(bf16))
     skewed_first, spread_first = (put(mesh, np.full(WORLD, v, np.int32)) for v in (0, 1))
 
-    @case(f"EP{WORLD}-packed-capacity-drop-in-a-loop")
+    @case(f"EP{WORLD}-{layout}-capacity-drop-in-a-loop")
     def drop():
         cycles = 6
-        with AllToAll(cfg, backend=BACKEND, layout="packed", max_recv_rows=C,
-                      overflow="drop") as a2a:
+        with AllToAll(cfg, backend=BACKEND, overflow="drop", **capacity) as a2a:
             for split in (False, True):
                 results = capacity_loop(a2a, mesh, cycles, split)(x0, skewed_first)
                 a2a.check()  # drops are not errors
-                worst, rows, slots = totals(f"cap-drop-{split}", results)
+                worst, rows, slots = totals(f"cap-drop-{layout}-{split}", results)
                 want = [over * ((cycles + 1) // 2)] + [0] * (WORLD - 1)
                 assert list(rows) == want, f"dropped rows per rank {list(rows)}, want {want}"
                 assert slots.sum() == rows.sum(), f"slots lost {list(slots)}, rows {list(rows)}"
                 assert worst <= 2e-2, f"rank {RANK}: max rel err {worst} (split={split})"
             total = a2a.dropped_rows()  # since creation: both loops
             assert total == 2 * want[RANK], (total, 2 * want[RANK])
-        return f"C={C} of {cfg.max_recv_total}, {over} rows dropped per skewed cycle, err {worst:.3g}"
+            # Which rows each expert kept and the dropped rows' keys (row_source past the
+            # output rows), per rank, against the routing (testing.run_and_check's capacity
+            # checks: kept counts per expert, the dropped count, y without those slots).
+            T.run_and_check(a2a, mesh, T.make_inputs(cfg, 7, "skewed"))
+        return f"{sized}, {over} rows dropped per skewed cycle, err {worst:.3g}"
 
-    @case(f"EP{WORLD}-packed-capacity-fail-then-recover")
+    @case(f"EP{WORLD}-{layout}-capacity-fail-then-recover")
     def fail():
-        with AllToAll(cfg, backend=BACKEND, layout="packed", max_recv_rows=C,
-                      overflow="fail", timeout_s=10.0) as a2a:
+        with AllToAll(cfg, backend=BACKEND, overflow="fail", timeout_s=10.0,
+                      **capacity) as a2a:
             step = capacity_loop(a2a, mesh, 1)
             step(x0, skewed_first)  # one skewed cycle: rank 0 overflows
+            raised, message = None, ""
             try:
                 a2a.check()
-                raised = None
-            except (CapacityExceededError, PeerAbortedError) as e:
+            except Exception as e:  # noqa: BLE001 - asserted after the collective recover()
                 raised, message = type(e), str(e)
+            a2a.recover()  # every rank, whatever it saw: a rank that skipped it would hang all
             want = CapacityExceededError if RANK == 0 else (
                 PeerAbortedError if BACKEND == "nvshmem" else None)
             assert raised is want, f"rank {RANK}: raised {raised}, expected {want}"
             if RANK == 0:
-                assert str(WORLD * m * k) in message and str(C) in message, message
-            a2a.recover()
+                assert message.startswith("CapacityExceeded:"), message
+                assert all(n in message for n in named), (named, message)
             results = step(x0, spread_first)  # the same compiled step: a cycle that fits
             a2a.check()
-            worst, rows, slots = totals("cap-fail", results)
+            worst, rows, slots = totals(f"cap-fail-{layout}", results)
             assert rows.sum() == 0 and slots.sum() == 0, (list(rows), list(slots))
             assert worst <= 2e-2, f"rank {RANK}: err {worst}"
         return f"raised {want.__name__ if want else 'nothing'} here, then recovered: err {worst:.3g}"

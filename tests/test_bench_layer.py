@@ -5,9 +5,10 @@ devices, the reference backend, a few samples; the JSON must hold the fields wit
 tokamax needs Python >= 3.12 (not this venv): a stand-in package (jax.lax.ragged_dot behind
 tokamax's ragged_dot signature, with implementation="mosaic" deliberately wrong from the third
 row of every group on) checks the tokamax rows' plumbing and that bench_gemm's per-output errors
-and bad-row diagnosis catch a wrong kernel. The capacity rows run against a stand-in of the
-capacity API (max_recv_rows/overflow, dropped_rows(), CapacityExceededError) until the real one
-lands."""
+and bad-row diagnosis catch a wrong kernel. The capacity rows run on the real capacity API (the
+packed max_recv_rows, the padded expert_capacity; overflow, dropped_rows(),
+CapacityExceededError) and, through a stand-in AllToAll without it, fall back to the worst case
+as on a build that lacks it."""
 
 import json
 import math
@@ -48,33 +49,19 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
     return out.astype(preferred_element_type or lhs.dtype)
 '''
 
-CAPACITY_RUNNER = '''
-import math, runpy, sys
+NO_CAPACITY_RUNNER = '''
+import runpy, sys
 import jax_moe_comm
-from jax_moe_comm import config, errors
 
-class CapacityExceededError(errors.MoECommError):
-    pass
-
-errors.CapacityExceededError = CapacityExceededError
 Base = jax_moe_comm.AllToAll
 
-class CapacityAllToAll(Base):  # the API only: buffers stay worst-case, nothing is dropped
-    def __init__(self, config, *, max_recv_rows=None, overflow="fail", **kw):
-        super().__init__(config, **kw)
-        self.max_recv_rows, self.overflow = max_recv_rows, overflow
+class NoCapacityAllToAll(Base):  # a build without either capacity argument
+    def __init__(self, config, *, axis_name="ep", backend="auto", layout="padded",
+                 tuning=None, timeout_s=30.0, differentiable=False):
+        super().__init__(config, axis_name=axis_name, backend=backend, layout=layout,
+                         tuning=tuning, timeout_s=timeout_s, differentiable=differentiable)
 
-    def dropped_rows(self):
-        return 3 if self.overflow == "drop" else 0
-
-    def check(self):
-        super().check()
-        if self.max_recv_rows is not None and self.overflow == "fail":
-            raise CapacityExceededError("stand-in: more rows than max_recv_rows")
-
-jax_moe_comm.AllToAll = CapacityAllToAll
-config.MoEConfig.recv_rows_for = lambda self, cf: int(
-    math.ceil(cf * self.max_num_tokens * self.experts_per_token))
+jax_moe_comm.AllToAll = NoCapacityAllToAll
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 runpy.run_path(script, run_name="__main__")
@@ -91,7 +78,7 @@ def fake_site(tmp_path_factory):
         (pkg / sub / "__init__.py").write_text("")
     (pkg / "_src" / "ops" / "ragged_dot" / "api.py").write_text(
         "from tokamax import IMPLEMENTATIONS\n")
-    (site / "capacity_runner.py").write_text(CAPACITY_RUNNER)
+    (site / "no_capacity_runner.py").write_text(NO_CAPACITY_RUNNER)
     return str(site)
 
 
@@ -117,18 +104,21 @@ def test_layer_smoke(tmp_path, fake_site):
     out = tmp_path / "out"
     run([LAYER, "--configs", "tiny", "--tokens", "4", "--layouts", "padded,packed",
          "--expert-gemm", "einsum,tokamax", "--capacity-configs", "tiny", "--capacity-tokens",
-         "4", "--skew", "0.9", "--commit", "smoke123", "--name", "smoke", "--out", str(out),
-         *FAST], fake_site, tmp_path)
+         "4", "--skew", "0.9", "--padded-capacity-tokens", "", "--commit", "smoke123", "--name",
+         "smoke", "--out", str(out), *FAST], fake_site, tmp_path)
     run_ = layer_json(out)
     for key in ("gpu", "jax", "date", "command", "world", "ranks_per_gpu", "weights",
-                "capacity_support"):
+                "capacity_support", "expert_capacity_support"):
         assert key in run_, key
     assert run_["commit"] == "smoke123" and run_["world"] == 8 and run_["finished"] is True
     w = run_["weights"]["tiny"]
     assert finite(w["read_us"]) and finite(w["copy_us"]) and finite(w["nominal_us"])
-    rows = {(r["layout"], r["expert_gemm"], r["skew"], r["kind"]): r for r in run_["rows"]}
-    plain = [rows[("padded", "einsum", 0.0, "layer")], rows[("packed", "einsum", 0.0, "layer")],
-             rows[("packed", "tokamax", 0.0, "layer")]]
+    rows = {(r["layout"], r["expert_gemm"], r["capacity_factor"], r["skew"], r["kind"]): r
+            for r in run_["rows"]}
+    assert len(rows) == len(run_["rows"])
+    plain = [rows[("padded", "einsum", None, 0.0, "layer")],
+             rows[("packed", "einsum", None, 0.0, "layer")],
+             rows[("packed", "tokamax", None, 0.0, "layer")]]
     for r in plain:
         assert r["status"] == "ok", r
         for key in ("loop_us", "comm_us", "step_us", "weight_read_us", "floor_us", "ratio"):
@@ -140,15 +130,12 @@ def test_layer_smoke(tmp_path, fake_site):
         assert pb["peak"] == pb["argument"] + pb["output"] + pb["temp"] - pb["alias"] > 0
         assert r["finite"] is True and r["correct"] is True and r["err"] <= 0.05, r
     assert plain[0]["err"] == 0.0  # the reference itself
-    skew = rows[("packed", "tokamax", 0.9, "layer")]
-    fail = rows[("packed", "tokamax", 0.9, "fail_check")]
-    if run_["capacity_support"]:  # the real capacity API has landed
-        assert skew["status"] == "ok" and isinstance(skew["dropped_rows"], int)
-        assert fail["fail_raised"] is True
-    else:
-        assert skew["status"] == "ok" and "not supported" in skew["note"]
-        assert finite(skew["loop_us"]) and skew["finite"] is True
-        assert fail["status"] == "skipped" and "not supported" in fail["error"]
+    assert run_["capacity_support"] is True and run_["expert_capacity_support"] is True
+    skew = rows[("packed", "tokamax", 1.25, 0.9, "layer")]
+    fail = rows[("packed", "tokamax", 1.25, 0.9, "fail_check")]
+    assert skew["status"] == "ok" and skew["dropped_rows"] > 0 and skew["finite"] is True
+    assert fail["fail_raised"] is True, fail
+    assert not any(r["layout"] == "padded" and r["capacity_factor"] for r in run_["rows"])
     md = (out / "smoke.md").read_text()
     assert "| tiny | 4 | padded | einsum |" in md and "## Goals" in md
     if run_.get("png") == "smoke.png":
@@ -160,25 +147,67 @@ def test_layer_smoke(tmp_path, fake_site):
 
 
 def test_layer_capacity_rows(tmp_path, fake_site):
-    """Capacity rows through a stand-in of the capacity API: the handle gets max_recv_rows and
-    overflow, dropped rows are read back, overflow="fail" must raise CapacityExceededError."""
+    """The capacity rows alone on the real API, in plan order: the padded einsum at
+    expert_capacity = rows_per_expert_for(1.25), the packed rows at max_recv_rows =
+    recv_rows_for(1.25), the padded skew rows; dropped rows are read back (a skewed layer
+    drops on rank 0), overflow="fail" must raise CapacityExceededError."""
     out = tmp_path / "out"
-    run([os.path.join(fake_site, "capacity_runner.py"), LAYER, "--configs", "tiny",
-         "--tokens", "", "--capacity-configs", "tiny", "--capacity-tokens", "4",
-         "--capacity-gemm", "einsum", "--skew", "0.9", "--budget-s", "200", "--name", "smoke",
-         "--out", str(out), *FAST], fake_site, tmp_path)
+    run([LAYER, "--configs", "tiny", "--tokens", "", "--capacity-configs", "tiny",
+         "--capacity-tokens", "4", "--capacity-gemm", "einsum", "--skew", "0.9",
+         "--budget-s", "200", "--name", "smoke", "--out", str(out), *FAST], fake_site, tmp_path)
     run_ = layer_json(out)
-    assert run_["capacity_support"] is True
+    assert run_["capacity_support"] is True and run_["expert_capacity_support"] is True
     rows = run_["rows"]
-    assert [(r["skew"], r["kind"], r["overflow"]) for r in rows] == [
-        (0.0, "layer", "drop"), (0.9, "layer", "drop"), (0.9, "fail_check", "fail")]
-    for r in rows[:2]:
+    assert [(r["layout"], r["skew"], r["kind"], r["overflow"]) for r in rows] == [
+        ("padded", 0.0, "layer", "drop"),
+        ("packed", 0.0, "layer", "drop"), ("packed", 0.9, "layer", "drop"),
+        ("packed", 0.9, "fail_check", "fail"),
+        ("padded", 0.9, "layer", "drop"), ("padded", 0.9, "fail_check", "fail")]
+    for r in rows:
         assert r["status"] == "ok", r
-        assert r["capacity_factor"] == 1.25 and r["max_recv_rows"] == math.ceil(1.25 * 4 * 4)
-        assert r["dropped_rows"] == 3 and r["dropped_rows_one_layer"] == [0]
-        assert finite(r["loop_us"]) and r["finite"] is True
-    assert rows[2]["status"] == "ok" and rows[2]["fail_raised"] is True
-    assert "CapacityExceededError" in rows[2]["raised"]
+        if r["kind"] == "fail_check":
+            assert r["fail_raised"] is True and "CapacityExceededError" in r["raised"], r
+            continue
+        assert finite(r["loop_us"]) and r["finite"] is True, r
+        assert r["capacity_factor"] == 1.25
+        if r["layout"] == "packed":  # 1.25 x 4 tokens x k=4 rows
+            assert r["max_recv_rows"] == 24 and r["expert_capacity"] is None
+        else:  # 1.25 x (8 ranks x 4 tokens x k=4 / 16 experts) rows per expert, up to 16
+            assert r["expert_capacity"] == 16 < r["max_recv_tokens"] == 32
+            assert r["max_recv_rows"] is None
+        if r["skew"]:
+            assert r["dropped_rows"] > 0 and max(r["dropped_rows_one_layer"]) > 0, r
+    assert "einsum (expert_capacity 16 of 32)" in (out / "smoke.md").read_text()
+
+
+def _plan(site, tmp_path, *args, runner=None):
+    script = [os.path.join(site, runner), LAYER] if runner else [LAYER]
+    out = run([*script, "--plan", *args], site, tmp_path)
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_default_plan_puts_the_padded_capacity_rows_first(tmp_path, fake_site):
+    """gpu_final's layer step (--tokens 1..4096): the padded einsum with expert_capacity at R1
+    128 right after the decode rows, its prefill sizes before every plain prefill row; on a
+    build without the capacity arguments the capacity rows say what they wanted and run the
+    worst case."""
+    rows = _plan(fake_site, tmp_path, "--tokens", "1,16,128,512,1024,2048,4096")
+    key = [(r["config"], r["tokens"], r["layout"], r["gemm"], r["capacity"], r["skew"],
+            r["kind"]) for r in rows]
+    first_cap = next(i for i, r in enumerate(rows) if r["capacity"])
+    assert key[first_cap] == ("R1", 128, "padded", "einsum", 1.25, 0.0, "layer")
+    assert all(r["phase"] == "decode" and not r["capacity"] for r in rows[:first_cap])
+    padded_cap = [k[1] for k in key if k[2:5] == ("padded", "einsum", 1.25) and not k[5]]
+    assert padded_cap == [128, 512, 1024, 2048, 4096]
+    first_plain_prefill = next(i for i, r in enumerate(rows) if r["phase"] == "prefill"
+                               and not r["capacity"] and not r["skew"])
+    last_padded_cap = max(i for i, k in enumerate(key) if k[2:5] == ("padded", "einsum", 1.25))
+    assert last_padded_cap < first_plain_prefill
+    assert ("R1", 4096, "padded", "einsum", 1.25, 0.9, "fail_check") in key
+    old = _plan(fake_site, tmp_path, "--tokens", "128", runner="no_capacity_runner.py")
+    capped = [r for r in old if r["wanted"]]
+    assert capped and all(r["capacity"] == 0 for r in capped)
+    assert {r["layout"] for r in capped} == {"padded", "packed"}
 
 
 def test_gemm_smoke_diagnoses_a_wrong_kernel(tmp_path, fake_site):

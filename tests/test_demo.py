@@ -37,3 +37,14 @@ def test_demo_with_a_capacity_factor():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "0 of 2 steps dropped none on any rank" in r.stdout
     assert "y not compared with the dense layer" in r.stdout
+
+
+def test_demo_with_a_padded_expert_capacity():
+    """--layout padded --capacity-factor sizes the rows per local expert from the mean load
+    per expert (16 tokens x k=4 x 8 ranks / 32 experts: 16, so 4.0 holds 64 of the worst
+    case's 128) for the batched einsum; y matches the dense layer where nothing drops."""
+    r = _demo("--layout", "padded", "--capacity-factor", "4.0", "--expert-gemm", "einsum")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "expert capacity: 64 rows per local expert (worst case 128, mean load 16), " \
+           "overflow=fail" in r.stdout
+    assert "-> OK" in r.stdout

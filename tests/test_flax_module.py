@@ -120,6 +120,26 @@ def test_expert_axis_over_both_mesh_axes_and_token_budgets():
     moe.close()
 
 
+def test_padded_layout_with_a_capacity_factor_sizes_each_budgets_experts():
+    """layout="padded" with capacity_factor: each budget's handle holds that multiple of its
+    own mean load per expert (MoEConfig.rows_per_expert_for: 2x 8 = 16 of 32 rows at budget
+    8, 8 of 8 at budget 2); the batched einsum runs on them and, with room for this routing,
+    y is the dense layer's (overflow="fail": check_handles would raise a drop)."""
+    mesh = mesh2()
+    moe = make(mesh, layout="padded", capacity_factor=2.0, max_num_tokens=(8, 2),
+               shared_expert=False, expert_gemm="einsum")
+    assert {b: (a.layout, a.expert_capacity, a.config.max_recv_tokens)
+            for b, a in moe.handles.by_budget.items()} == {8: ("padded", 16, 32),
+                                                          2: ("padded", 8, 8)}
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((4, 16, H)).astype(jnp.bfloat16)  # 8 tokens per device
+    y = nnx.jit(lambda m, x: m(x))(moe, jnp.asarray(x))
+    close_to_dense(moe, x, y)
+    jf.check_handles(moe)
+    assert moe.handles.by_budget[8].dropped_rows() == 0
+    moe.close()
+
+
 def test_eval_shape_makes_no_handle_then_sharded_init_and_orbax_round_trip(tmp_path):
     mesh = mesh2()
     made = []
@@ -223,7 +243,7 @@ def test_layers_share_one_handle_and_train_like_the_dense_layer():
                              r"\('data', 'expert'\)"),
     (dict(data_axes="expert"), "must name distinct mesh axes"),
     (dict(num_experts=6), "num_experts=6 is not divisible by the 4 ranks"),
-    (dict(layout="padded", capacity_factor=1.5), "capacity_factor=1.5 sizes the packed layout"),
+    (dict(layout="sparse"), r"layout='sparse'; expected one of \('padded', 'packed'\)"),
     (dict(router=RouterConfig(num_groups=4, topk_groups=1), experts_per_token=3),
      "experts_per_token=3 exceeds the 2 experts of the topk_groups=1 groups"),
 ])

@@ -254,6 +254,46 @@ def test_packed_rules_with_a_capacity_match_plain_autodiff_and_oracle(case, rout
         np.testing.assert_allclose(got, want, atol=1e-2 * scale, err_msg=name)
 
 
+PADDED_CASES = [(EP8_DP2, "skewed", 0.5, True), (EP4_FP8, "duplicates", 4, False)]
+
+
+@pytest.mark.parametrize("case, routing, factor, split", PADDED_CASES,
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_padded_rules_with_an_expert_capacity_match_plain_autodiff_and_oracle(case, routing,
+                                                                            factor, split):
+    """layout="padded" with expert_capacity P (factor: MoEConfig.rows_per_expert_for, an int:
+    P itself, None: the worst case), overflow="drop": the rules on shuffled rows with NaN padding against
+    plain-JAX autodiff of the reference backend with the same capacity, and against the numpy
+    oracle without the dropped slots. The combine backward dispatches dy on a worst-case
+    handle and matches its rows to the forward's [L, P] by key."""
+    cfg = case.cfg()
+    P_ = cfg.max_recv_tokens if factor is None else factor if isinstance(factor, int) else \
+        cfg.rows_per_expert_for(factor)
+    a2a = ShuffledAllToAll(cfg, expert_capacity=P_, overflow="drop", differentiable=True)
+    plan = a2a._plan
+    assert plan.rows == autodiff.Rows(False, P_)
+    # The backward dispatch of dy must drop nothing: its own worst-case handle.
+    assert (plan.combine_grad is plan.dispatch_grad) == (cfg.dp_size == 1 and factor is None)
+    assert plan.combine_grad.expert_capacity == plan.combine_grad.cfg.max_recv_tokens
+    assert plan.dispatch_grad.expert_capacity == P_
+    mesh = T.make_mesh(case.ep)
+    inp, G = T.make_inputs(cfg, 8, routing), T.loss_cotangent(cfg, 8)
+    expect = inp
+    if T.can_drop(a2a):
+        keys = np.asarray(T.make_step(a2a, mesh, dropped=True)(*T.global_inputs(
+            cfg, mesh, inp))[4])
+        assert (keys >= 0).any(), "no row was dropped: make the capacity smaller"
+        expect = T.without_slots(cfg, inp, keys)
+    T.check_grads_against_oracle(a2a, mesh, inp, G, expect=expect, split=split)
+    args = T.grad_inputs(cfg, mesh, inp, G)
+    rules, plain = (T.make_grad_step(a2a, mesh, split, plain=p)(*args) for p in (False, True))
+    for name, got, want in zip(("d x", "d weights", "y"), rules, plain):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        assert np.isfinite(got).all(), name
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(got, want, atol=1e-2 * scale, err_msg=name)
+
+
 @pytest.mark.parametrize("case", [EP8_DP2, EP4_FP8], ids=lambda c: c.name)
 def test_rules_on_shuffled_rows_and_nan_padding(case):
     """The rules as the nvshmem backend runs them: rows of an expert come in a different
@@ -462,14 +502,18 @@ def test_layer_gradients_on_the_packed_layout_equal_dense(name):
 
 
 # -- padding, expert_weights ----------------------------------------------------------------
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("layout", ["padded", "padded-capacity", "packed"])
 @pytest.mark.parametrize("differentiable", [False, True])
 def test_padding_rows_zero_on_differentiable_handles(differentiable, layout):
-    """Rows past the counts (padded: per expert; packed: past sum(counts), with a capacity
-    here) are zero on differentiable handles, whatever the backend left there."""
+    """Rows past the counts (padded: per expert, with and without an expert_capacity;
+    packed: past sum(counts), with a capacity here) are zero on differentiable handles,
+    whatever the backend left there."""
     cfg = EP4_DP2_FP8.cfg()
-    more = {} if layout == "padded" else dict(layout="packed", overflow="drop",
-                                              max_recv_rows=cfg.recv_rows_for(1.0))
+    more = {"padded": {},
+            "padded-capacity": dict(overflow="drop",
+                                    expert_capacity=cfg.rows_per_expert_for(1.0)),
+            "packed": dict(layout="packed", overflow="drop",
+                           max_recv_rows=cfg.recv_rows_for(1.0))}[layout]
     a2a = ShuffledAllToAll(cfg, differentiable=differentiable, **more)
     mesh = T.make_mesh(cfg.world_size)
     inp = T.make_inputs(cfg, 51)
@@ -486,7 +530,8 @@ def test_padding_rows_zero_on_differentiable_handles(differentiable, layout):
         held = counts.reshape(cfg.world_size, -1).sum(axis=1)
         pad = (np.arange(a2a.max_recv_rows)[None, :] >= held[:, None]).reshape(-1)
     else:
-        pad = np.arange(cfg.max_recv_tokens)[None, :] >= counts[:, None]
+        assert ex.shape[1] == a2a.expert_capacity < cfg.max_recv_tokens or layout == "padded"
+        pad = np.arange(ex.shape[1])[None, :] >= counts[:, None]
     assert pad.any() and (~pad).any()
     assert np.all(ew[pad] == 0)  # always: it is small
     if differentiable:

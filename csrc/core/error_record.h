@@ -17,7 +17,7 @@ enum ErrorCode : uint32_t {
   kPeerAborted = 5,     // a peer reported an error first (its abort word reached us)
   kOutOfOrder = 6,      // a launch out of its half's order (recv before send, send twice)
   kStaleLaunch = 7,     // a launch on a closed handle (a replayed command buffer): did nothing
-  kCapacityExceeded = 8,  // more rows arrived than the packed capacity (overflow "fail")
+  kCapacityExceeded = 8,  // rows arrived past a capacity (packed or per expert; overflow "fail")
 };
 
 enum Phase : uint32_t {
@@ -62,10 +62,6 @@ struct ErrorRecord {
   uint32_t what;
   uint32_t claimed;   // first-wins ticket, so the fields are whole before `code` is set
   PeerView view;      // kPeerTimeout waiting for a rank; else zero
-  // Not an error: rows dropped past the packed capacity (overflow "drop") since creation or
-  // recover(), added by dispatch_recv's last block (one writer per handle; the host reads it
-  // after a device sync).
-  uint64_t dropped_rows;
 };
 
 // The abort word a failing rank SETs on every peer: (error code << 32) | (rank + 1).

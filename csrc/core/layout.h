@@ -91,8 +91,7 @@ struct Shape {
     if (packed()) return max_recv_rows();
     return output_rows() + (can_drop() ? max_recv_rows() : 0);
   }
-  // Where the dropped rows' sources start in row_source.
-  __host__ __device__ int64_t dropped_sources_at() const { return output_rows(); }
+
 };
 
 __host__ __device__ constexpr size_t round_up(size_t x, size_t to) {

@@ -81,7 +81,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
   // expert_num_tokens), are refused at once: sending part of the rows would leave home ranks
   // waiting for rows that never come (a timeout 30 s later, naming the wrong thing).
   extern __shared__ int first_row[];  // [L + 1]; first_row[L] < 0: refused
-  __shared__ int num_dropped;          // packed: rows dropped past C, answered with zeros
+  __shared__ int num_dropped;          // rows dropped past a capacity, answered with zeros
   const int capacity = static_cast<int>(s.output_rows());
   if (threadIdx.x < kWarpSize) {
     const int max_rows = s.packed() ? capacity : s.max_recv_rows();
@@ -106,8 +106,9 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
       if (e < L) first_row[e + 1] = before + n;
       before += __shfl_sync(0xffffffffu, n, kWarpSize - 1);
     }
-    // Rows drop only under a capacity; packed, only past a full expert_y (the counts fill C).
-    const int most_dropped = s.max_recv_rows() - (s.packed() ? capacity : 0);
+    // Rows drop only under a capacity; packed, only past a full expert_y (the counts fill C);
+    // kept and dropped rows are at most the rows that can arrive (the staging rows' bound).
+    const int most_dropped = s.max_recv_rows() - (s.packed() ? capacity : before);
     const bool bad_drop = dropped != 0 &&
                           (!s.can_drop() || dropped < 0 || dropped > most_dropped ||
                            (s.packed() && before != capacity));

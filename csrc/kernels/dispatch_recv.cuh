@@ -32,7 +32,7 @@
 //    re-arms the fill counts, and SETs dispatch_ack[rank] = e on every s_g: our recv_records
 //    may be overwritten by their next cycle. Rows past a capacity, overflow "fail": it records
 //    kCapacityExceeded instead (the handle is poisoned, no ack); with "drop" it adds them to
-//    the error record's dropped_rows.
+//    DeviceState::dropped_rows.
 // 5. On any failure (timeout, abort word, bad value) the error is recorded and broadcast, the
 //    remaining records are skipped, no ack is sent, and on a poisoned handle every count is 0.
 #pragma once
@@ -185,13 +185,16 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
       // Packed: after the rows of the experts before e; padded: row r of expert e, or past
       // the capacity, the source's place after the L * P rows. Either way >= capacity means
       // dropped.
-      const int at = row < 0       ? -1
-                     : s.packed()  ? static_cast<int>(expert_first[e]) + row
-                     : row < P     ? e * P + row
-                                   : capacity + static_cast<int>(expert_first[e]) + row - P;
-      if (row >= R || at >= sources) {  // more rows than any routing can make: corrupt header
-        fail(c, kCorruptData, kPhaseDispatchRecv, sender, t, row >= R ? R : sources,
-             row >= R ? row : at, kWhatRow);
+      // (row >= R first: more rows than any routing can make, a corrupt header; without a
+      // capacity expert_first is not there to index.)
+      const bool bad_row = row >= R;
+      const int at = row < 0 || bad_row ? -1
+                     : s.packed()       ? static_cast<int>(expert_first[e]) + row
+                     : row < P          ? e * P + row
+                                        : capacity + static_cast<int>(expert_first[e]) + row - P;
+      if (bad_row || at >= sources) {
+        fail(c, kCorruptData, kPhaseDispatchRecv, sender, t, bad_row ? R : sources,
+             bad_row ? row : at, kWhatRow);
         row = -1;
       }
       for (uint32_t todo = __ballot_sync(0xffffffffu, row >= 0); todo != 0; todo &= todo - 1) {
@@ -243,10 +246,8 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
   }
   if (threadIdx.x == 0) {
     p.dropped_rows[0] = healthy ? static_cast<int32_t>(dropped) : 0;
-    if (healthy && dropped > 0) {  // the only writer: launches on a handle are serialized
-      volatile uint64_t* total_dropped = &c.error->dropped_rows;
-      *total_dropped = *total_dropped + dropped;
-    }
+    // The only writer (launches on a handle are serialized); device memory, no round trip.
+    if (healthy) c.scratch.state->dropped_rows += dropped;
   }
   if (healthy) {
     for (int g = threadIdx.x; g < G; g += blockDim.x)

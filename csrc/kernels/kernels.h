@@ -70,6 +70,10 @@ struct DeviceState {
   // Messages (puts, flag puts) each kernel sent to staged peers, since creation or recover():
   // the staged path's per-cycle message count, read by tests (module staged_messages()).
   uint64_t staged_messages[kNumKernels];
+  // Rows dropped past a capacity (overflow "drop") since creation or recover(), added by
+  // dispatch_recv's last block (module dropped_rows() reads it after a device sync). In device
+  // memory: a read-modify-write of the pinned record was a PCIe round trip before the acks.
+  uint64_t dropped_rows;
 };
 
 // Per-call scratch in ordinary device memory, zero between calls (the kernels restore it).
@@ -111,9 +115,9 @@ struct DispatchRecvParams {
   uint8_t* expert_x;           // [rows, H]
   float* expert_x_scale;       // [rows, S] or nullptr
   int32_t* expert_num_tokens;  // [L]
-  int32_t* row_source;         // pack_source(...) of each row (packed: and of each dropped row)
+  int32_t* row_source;         // pack_source(...) of each row, then of each dropped row
   float* expert_weights;       // [rows] weight of the slot that made the row
-  int32_t* dropped_rows;       // [1] rows past the packed capacity this cycle (0 padded)
+  int32_t* dropped_rows;       // [1] rows dropped past a capacity this cycle
 };
 
 struct CombineSendParams {

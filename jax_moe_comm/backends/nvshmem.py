@@ -25,7 +25,7 @@ class Routing(NamedTuple):
     # [C] packed), then the sources of the rows dropped past a capacity (csrc/core/layout.h,
     # Shape::row_source_entries)
     row_source: jax.Array
-    dropped: jax.Array  # (1,) int32: rows dropped past the packed capacity (0 padded)
+    dropped: jax.Array  # (1,) int32: rows dropped past the capacity (0 at the worst case)
 
 
 def result_type(like, shape, dtype):
@@ -279,8 +279,9 @@ class NvshmemBackend:
         return jnp.where(live, routing.row_source[:n], -1)
 
     def dropped_rows_total(self) -> int:
-        """Rows this rank dropped past the packed capacity since creation or recover()
-        (overflow "drop"); waits for the device."""
+        """Rows this rank dropped past its capacity (packed or per expert) since creation or
+        recover(), with overflow "drop" (a "fail" cycle drops nothing: it fails); waits for
+        the device."""
         return int(self._mod.dropped_rows(self.handle)) if self._open else 0
 
     def barrier(self, dep):

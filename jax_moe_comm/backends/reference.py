@@ -16,8 +16,10 @@ this backend then gives each member the weight gradient of its own output (autod
 
 layout="packed" scatters the rows straight to their packed position (expert 0's rows, then
 expert 1's, ...) in [recv_rows, H]; a slot whose position is >= recv_rows (the capacity) is
-not written, and combine treats it as an expert output of zero. How many were dropped is
-counted on the host by a visit (host_check.tick), which jax.checkpoint runs once.
+not written, and combine treats it as an expert output of zero. layout="padded" with an
+expert_capacity P below max_recv_tokens does the same per expert: expert_x is [L, P, H] and
+an expert's rows past its first P (in the order above) are not written. How many were dropped
+is counted on the host by a visit (host_check.tick), which jax.checkpoint runs once.
 """
 
 from __future__ import annotations
@@ -44,19 +46,19 @@ class PendingDispatch(NamedTuple):
 
 class Routing(NamedTuple):
     recv_ids: jax.Array  # [EP(src), max_m, k] local expert of each received slot, -1 if none
-    # [EP(src), max_m, k] row of that slot in expert_x: within its expert (padded), or in the
-    # packed rows (packed; >= recv_rows: dropped, not held)
+    # [EP(src), max_m, k] row of that slot in expert_x: within its expert (padded; >=
+    # expert_capacity: dropped, not held), or in the packed rows (packed; >= recv_rows: dropped)
     recv_pos: jax.Array
 
 
 class PendingCombine(NamedTuple):
-    expert_y: jax.Array  # [L, max_recv, H] (padded) or [recv_rows, H] (packed)
+    expert_y: jax.Array  # [L, expert_capacity, H] (padded) or [recv_rows, H] (packed)
     routing: Routing
     ticket: jax.Array | None = None  # int32 zero from combine_send's protocol visit
 
 
 def capacity_message(rank: int, dropped: int, capacity: int) -> str:
-    """The CapacityExceeded record of a rank that received capacity + dropped rows."""
+    """The CapacityExceeded record of a packed rank that received capacity + dropped rows."""
     return (f"CapacityExceeded: rank {rank} in dispatch_recv: {capacity + dropped} rows arrived "
             f"for a packed capacity of {capacity} rows (max_recv_rows); the {dropped} rows past "
             "it were not written and add nothing to y. Raise max_recv_rows (or the capacity "
@@ -64,13 +66,24 @@ def capacity_message(rank: int, dropped: int, capacity: int) -> str:
             "an error (AllToAll.dropped_rows() counts them)")
 
 
-class Overflow:
-    """Host record of a packed capacity below the worst case: rows dropped since creation or
-    recover(), and with overflow="fail" the first overflow, kept until recover() (as the
-    CUDA handle's error record). Visited once per dispatch_recv and device (host_check)."""
+def expert_capacity_message(rank: int, dropped: int, capacity: int) -> str:
+    """The CapacityExceeded record of a padded rank whose experts received `dropped` rows past
+    their expert_capacity, summed over its local experts (the nvshmem record's wording)."""
+    return (f"CapacityExceeded: rank {rank} in dispatch_recv: {dropped} expert rows arrived "
+            f"past expert_capacity={capacity} (per local expert) this cycle; they were not "
+            "written and add nothing to y. Raise expert_capacity (or the capacity factor of "
+            "MoEConfig.rows_per_expert_for), or pass overflow='drop' to drop them without an "
+            "error (AllToAll.dropped_rows() counts them)")
 
-    def __init__(self, capacity: int, fail: bool):
-        self.capacity, self.fail = capacity, fail
+
+class Overflow:
+    """Host record of a capacity below the worst case (packed rows per rank, or padded rows per
+    local expert): rows dropped since creation or recover(), and with overflow="fail" the
+    first overflow, kept until recover() (as the CUDA handle's error record). Visited once per
+    dispatch_recv and device (host_check)."""
+
+    def __init__(self, capacity: int, fail: bool, message=capacity_message):
+        self.capacity, self.fail, self.message = capacity, fail, message
         self._lock = threading.Lock()
         self.dropped_total = 0
         self.error = ""
@@ -80,9 +93,10 @@ class Overflow:
         if n <= 0:
             return
         with self._lock:
-            self.dropped_total += n
-            if self.fail and not self.error:
-                self.error = capacity_message(rank, n, self.capacity)
+            if not self.fail:  # a "fail" cycle failed: reported by check(), not counted
+                self.dropped_total += n  # (the CUDA handle counts drops only with "drop")
+            elif not self.error:
+                self.error = self.message(rank, n, self.capacity)
 
     def reset(self) -> None:
         with self._lock:
@@ -94,16 +108,24 @@ class ReferenceBackend:
 
     def __init__(self, cfg: MoEConfig, axis_name, check_routing: bool = True,
                  check_protocol: bool = True, *, layout: str = "padded",
-                 recv_rows: int | None = None, overflow: str = "fail"):
+                 recv_rows: int | None = None, expert_capacity: int | None = None,
+                 overflow: str = "fail"):
         self.cfg = cfg
         self.axis_name = axis_name
         self.check_routing = check_routing
         self.packed = layout == "packed"
         # Packed rows per rank (None: padded); None for packed means the worst case.
         self.recv_rows = (recv_rows or cfg.max_recv_total) if self.packed else None
+        # Padded rows per local expert (None: packed); None for padded means the worst case.
+        self.expert_capacity = None if self.packed else (expert_capacity or cfg.max_recv_tokens)
         # Only a capacity below the worst case can drop rows: only then is there a record.
-        can_drop = self.packed and self.recv_rows < cfg.max_recv_total
-        self._overflow = Overflow(self.recv_rows, overflow == "fail") if can_drop else None
+        fail = overflow == "fail"
+        if self.packed and self.recv_rows < cfg.max_recv_total:
+            self._overflow = Overflow(self.recv_rows, fail)
+        elif not self.packed and self.expert_capacity < cfg.max_recv_tokens:
+            self._overflow = Overflow(self.expert_capacity, fail, expert_capacity_message)
+        else:
+            self._overflow = None
         # Bad routing seen at run time, recorded by a host callback (raising inside one would
         # abort XLA:CPU); check() raises the first, like the CUDA path's error record.
         self._errors: list[str] = []
@@ -156,8 +178,9 @@ class ReferenceBackend:
         self._errors = []
 
     def dropped_rows_total(self) -> int:
-        """Rows that a packed capacity dropped on this process's devices since creation or
-        recover() (of the dispatches that have run: read it after their results)."""
+        """Rows that the capacity (packed or per expert) dropped on this process's devices
+        since creation or recover() (of the dispatches that have run: read it after their
+        results)."""
         jax.effects_barrier()
         return 0 if self._overflow is None else self._overflow.dropped_total
 
@@ -229,8 +252,10 @@ class ReferenceBackend:
         counts = running[-1].astype(jnp.int32)  # rows arrived per local expert
         if self.packed:
             pos, counts, dropped = self._pack(ids, pos, counts)
-        else:
-            dropped = jnp.zeros((1,), jnp.int32)
+        else:  # an expert's rows past its first expert_capacity are not held
+            kept = jnp.minimum(counts, self.expert_capacity)
+            dropped = self._count_dropped(jnp.sum(counts) - jnp.sum(kept))
+            counts = kept
         row_of_slot = jnp.arange(ids.shape[0]) // cfg.experts_per_token
         where = self._row_index(ids, pos)  # out of range where not held: not written
 
@@ -252,10 +277,18 @@ class ReferenceBackend:
 
     @property
     def _rows_shape(self) -> tuple:
-        """expert_x's row dimensions: [L, R] padded, [recv_rows] packed."""
+        """expert_x's row dimensions: [L, expert_capacity] padded, [recv_rows] packed."""
         if self.packed:
             return (self.recv_rows,)
-        return (self.cfg.num_local_experts, self.cfg.max_recv_tokens)
+        return (self.cfg.num_local_experts, self.expert_capacity)
+
+    def _count_dropped(self, dropped):
+        """dropped as int32 (1,), recorded on the host (when the capacity can drop rows)."""
+        dropped = dropped.astype(jnp.int32).reshape(1)
+        if self._overflow is not None:
+            dropped = dropped + hc.tick(self._overflow, hc.DISPATCH_RECV, self.axis_name,
+                                        dropped)
+        return dropped
 
     def _pack(self, ids, pos, counts):
         """Packed positions of the slots (expert order, then arrival order within an expert),
@@ -264,16 +297,12 @@ class ReferenceBackend:
         starts = jnp.cumsum(counts) - counts
         packed_pos = starts[jnp.clip(ids, 0)] + pos
         kept = jnp.clip(self.recv_rows - starts, 0, counts).astype(jnp.int32)
-        dropped = (jnp.sum(counts) - jnp.sum(kept)).astype(jnp.int32).reshape(1)
-        if self._overflow is not None:
-            dropped = dropped + hc.tick(self._overflow, hc.DISPATCH_RECV, self.axis_name,
-                                        dropped)
-        return packed_pos, kept, dropped
+        return packed_pos, kept, self._count_dropped(jnp.sum(counts) - jnp.sum(kept))
 
     def _held(self, ids, pos):
-        """Mask of the slots (ids, pos tables) whose row this rank holds: routed here and,
-        when packed, not dropped."""
-        return (ids >= 0) & (pos < self.recv_rows) if self.packed else ids >= 0
+        """Mask of the slots (ids, pos tables) whose row this rank holds: routed here and not
+        dropped (packed position < recv_rows, or row within its expert < expert_capacity)."""
+        return (ids >= 0) & (pos < (self.recv_rows if self.packed else self.expert_capacity))
 
     def _row_index(self, ids, pos):
         """Index of each slot's row into expert_x's row dimensions; out of range where this
@@ -289,13 +318,16 @@ class ReferenceBackend:
         return rows, self._held(ids, pos)
 
     def row_keys(self, routing: Routing, dropped: bool = False):
-        """routing.row_key(source group, token, slot) of each row, -1 where none: [L, R]
-        (padded) or [recv_rows] (packed). dropped=True (packed only): the keys of the rows
-        that did not fit, [max_recv_total - recv_rows], -1 past their number."""
-        if dropped and not self.packed:
-            raise ValueError("row_keys(dropped=True) is for layout='packed': a padded "
-                             "handle drops nothing")
+        """routing.row_key(source group, token, slot) of each row, -1 where none: [L,
+        expert_capacity] (padded) or [recv_rows] (packed).
+
+        dropped=True: the keys of the rows that arrived but did not fit this cycle, -1 past
+        their number: [max_recv_total - recv_rows] (packed: in packed order past the
+        capacity); padded: [max_recv_total] when expert_capacity < max_recv_tokens (expert 0's
+        dropped rows, then expert 1's, ...), else [0] (nothing can drop)."""
         cfg = self.cfg
+        if dropped and not self.packed and self.expert_capacity >= cfg.max_recv_tokens:
+            return jnp.full((0,), -1, jnp.int32)
         ids, pos = routing
         src = jnp.arange(cfg.world_size)[:, None, None]
         token = jnp.arange(cfg.max_num_tokens)[None, :, None]
@@ -305,8 +337,18 @@ class ReferenceBackend:
         if not dropped:
             out = jnp.full(self._rows_shape, -1, jnp.int32)
             return out.at[self._row_index(ids, pos)].set(keys, mode="drop")
-        spill = cfg.max_recv_total - self.recv_rows  # rows that can be dropped
-        where = jnp.where((ids >= 0) & (pos >= self.recv_rows), pos - self.recv_rows, spill)
+        if self.packed:
+            spill = cfg.max_recv_total - self.recv_rows  # rows that can be dropped
+            where = jnp.where((ids >= 0) & (pos >= self.recv_rows), pos - self.recv_rows,
+                              spill)
+        else:  # per expert, the rows past its capacity; expert after expert
+            P, spill = self.expert_capacity, cfg.max_recv_total
+            e = jnp.clip(ids, 0)
+            arrived = jnp.zeros((cfg.num_local_experts,), jnp.int32).at[e].add(
+                (ids >= 0).astype(jnp.int32))
+            over = jnp.maximum(arrived - P, 0)
+            start = jnp.cumsum(over) - over
+            where = jnp.where((ids >= 0) & (pos >= P), start[e] + pos - P, spill)
         return jnp.full((spill,), -1, jnp.int32).at[where].set(keys, mode="drop")
 
     # -- combine ---------------------------------------------------------------------------
