@@ -113,15 +113,23 @@ Launch fused_launch_for(const Shape& s, FusedOp op, int warps_per_block, FusedMo
 // Local (non-collective) allocations; "" or what failed.
 std::string allocate_local(Handle* h) {
   const Shape& s = h->shape;
-  const size_t G = s.num_dp_groups(), L = s.num_local_experts();
-  const size_t bytes = sizeof(DeviceState) + sizeof(uint32_t) * (G + L);
+  const size_t G = s.num_dp_groups(), L = s.num_local_experts(), W = s.world_size;
+  const size_t bytes = sizeof(DeviceState) + sizeof(uint32_t) * (G + L + W);
   cudaError_t err = cudaMalloc(&h->scratch_memory, bytes);
   if (err != cudaSuccess) return cuda_failure(err, "cudaMalloc(scratch)");
   err = cudaMemset(h->scratch_memory, 0, bytes);
   if (err != cudaSuccess) return cuda_failure(err, "cudaMemset(scratch)");
   auto* state = static_cast<DeviceState*>(h->scratch_memory);
   auto* words = reinterpret_cast<uint32_t*>(state + 1);
-  h->scratch = LocalScratch{state, words, words + G};
+  h->scratch = LocalScratch{state, words, words + G, words + G + L, nullptr};
+  if (h->staged) {  // one slot map per combine_recv block (the fused combine: one block)
+    const size_t blocks = std::max(1, h->launch[kCombineRecvKernel].num_blocks);
+    const size_t map_bytes = blocks * s.max_num_tokens * s.experts_per_token * sizeof(uint64_t);
+    err = cudaMalloc(&h->slot_map_memory, map_bytes);
+    if (err != cudaSuccess) return cuda_failure(err, "cudaMalloc(slot map)");
+    h->slot_map_bytes = map_bytes;
+    h->scratch.slot_map = static_cast<uint64_t*>(h->slot_map_memory);
+  }
   const size_t timing_bytes = size_t{kTimingSamples + 1} * kTimingSlots * sizeof(uint64_t);
   err = cudaMalloc(&h->timings, timing_bytes);
   if (err != cudaSuccess) return cuda_failure(err, "cudaMalloc(timings)");
@@ -160,9 +168,14 @@ std::string reset_protocol_state(Handle* h, uint64_t epoch) {
   state.timing_opened = timing_opened;
   err = cudaMemcpy(h->scratch.state, &state, sizeof(state), cudaMemcpyHostToDevice);
   if (err != cudaSuccess) return cuda_failure(err, "cudaMemcpy(state)");
-  const size_t counters = sizeof(uint32_t) * (s.num_dp_groups() + s.num_local_experts());
+  const size_t counters =
+      sizeof(uint32_t) * (s.num_dp_groups() + s.num_local_experts() + s.world_size);
   err = cudaMemset(h->scratch.send_count, 0, counters);
   if (err != cudaSuccess) return cuda_failure(err, "cudaMemset(counters)");
+  if (h->slot_map_memory != nullptr) {  // no entry of an earlier epoch 1, 2, ... may pass
+    err = cudaMemset(h->slot_map_memory, 0, h->slot_map_bytes);
+    if (err != cudaSuccess) return cuda_failure(err, "cudaMemset(slot map)");
+  }
   err = cudaDeviceSynchronize();
   if (err != cudaSuccess) return cuda_failure(err, "cudaDeviceSynchronize");
   *h->error_host = ErrorRecord{};  // after the sync: no kernel of ours writes it any more
@@ -171,6 +184,8 @@ std::string reset_protocol_state(Handle* h, uint64_t epoch) {
 
 void free_local(Handle* h) {
   if (h->scratch_memory) cudaFree(h->scratch_memory);
+  if (h->slot_map_memory) cudaFree(h->slot_map_memory);
+  h->slot_map_memory = nullptr;
   if (h->timings) cudaFree(h->timings);
   if (h->error_host) cudaFreeHost(h->error_host);
   h->scratch_memory = nullptr;
@@ -237,6 +252,9 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
     if (staged_node_size < shape.world_size && !staged)
       return "a staged transport needs the staging buffers (staged=true)";
   }
+  if (staged && shape.world_size > kMaxBlockCounters)  // combine_recv's per-sender counts
+    return "staged peers (a network transport) are supported up to " +
+           std::to_string(kMaxBlockCounters) + " ranks";
   if (nvshmemx_init_status() < NVSHMEM_STATUS_IS_INITIALIZED)
     return "NVSHMEM is not initialized: call jax_moe_comm.init() first";
   if (nvshmem_n_pes() != shape.world_size)
@@ -303,11 +321,14 @@ std::string destroy_handle(int64_t id) {
   nvshmem_barrier_all();  // nobody still writes into our buffers
   if (h->symmetric) nvshmem_free(h->symmetric);
   h->symmetric = nullptr;
+  if (h->slot_map_memory != nullptr) cudaFree(h->slot_map_memory);
+  h->slot_map_memory = nullptr;
   if (h->scratch.state == nullptr) {  // creation failed before the local state existed
     free_local(h.get());
     return "";
   }
-  // Kept for the life of the process (a few KB and the timing rows): a command buffer recorded
+  // The slot map goes (a stale launch refuses before it would read it); the rest is kept for
+  // the life of the process (a few KB and the timing rows): a command buffer recorded
   // before close() may still replay our launches with these addresses (DeviceState::closed).
   const uint32_t closed = 1;
   const cudaError_t err = cudaMemcpy(&h->scratch.state->closed, &closed, sizeof(closed),
@@ -412,8 +433,9 @@ const char* what_name(uint32_t what) {
                                 "an expert row",
                                 "the cycle number",
                                 "expert_num_tokens",
+                                "its row count",
                                 "a local expert's rows"};
-  return what < 8 ? kWhat[what] : "?";
+  return what < 9 ? kWhat[what] : "?";
 }
 
 const char* code_name(uint32_t code) {

@@ -27,7 +27,9 @@ struct Handle {
   size_t symmetric_bytes = 0;
   SymmetricLayout sym{};
   PeerTable peers{};  // nvshmem_ptr(symmetric, pe) for pe < kMaxPeerTable (layout.h)
-  void* scratch_memory = nullptr;  // cudaMalloc: DeviceState + send_count + expert_fill
+  void* scratch_memory = nullptr;  // cudaMalloc: DeviceState + send_count + expert_fill + home_fill
+  void* slot_map_memory = nullptr;  // cudaMalloc, staged only: LocalScratch::slot_map
+  size_t slot_map_bytes = 0;
   LocalScratch scratch{};
   ErrorRecord* error_host = nullptr;    // pinned, mapped
   ErrorRecord* error_device = nullptr;  // device view of the same memory

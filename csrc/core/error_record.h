@@ -38,7 +38,8 @@ enum What : uint32_t {
   kWhatRow = 4,        // an expert row: the row index, its source, or its flag
   kWhatEpoch = 5,      // a flag carrying another cycle's epoch
   kWhatExpertCount = 6,  // expert_num_tokens handed to combine
-  kWhatExpertRows = 7,   // kCapacityExceeded of the padded layout: rows past a per-expert capacity
+  kWhatRowCount = 7,     // a staged sender's count of the rows it put for us (combine)
+  kWhatExpertRows = 8,   // kCapacityExceeded of the padded layout: rows past a per-expert capacity
 };
 
 // A timeout's view of the rank it waited for: which of that rank's kernels the wait needed

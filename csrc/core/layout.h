@@ -11,12 +11,19 @@
 //   dispatch_ack    [world]        u64  receiver r SETs epoch once it has read our records
 //   combine_flag    [max_m][k]     u64  slot (t, j) SET to epoch after its expert row
 //   combine_ack     [world]        u64  home rank h SETs epoch once it has read our rows
+//   combine_count   [world]        u64  staged sender s SETs count_word(epoch, rows, cap) after
+//                                       putting its rows for us into combine_in[s]
 //   barrier_flag    [world]        u64  benchmark barrier: rank p SETs its barrier epoch
 //   recv_records    [G][max_m]     record  tokens from the sender of group g, in slot order
 //   combine_rows    [max_m][k]     row (combine dtype)  the expert output of slot (t, j)
 //   send_records    [G][max_m]     record  staged records per destination in slot order, sent
 //                                          with one put each (only when a peer is not P2P)
-//   combine_staging [G*max_m*min(k,L)] row  staged put sources (only when a peer is not P2P)
+//   combine_out     [world][cap]   entry  rows for each staged home rank, packed in arrival
+//                                         order, sent with one put each (staged only)
+//   combine_in      [world][cap]   entry  rows from each staged sender (staged only)
+//
+// cap = max_m * min(k, L): the most rows one rank returns to one home. An entry: a 16-byte
+// header (int32 token, int32 slot) and the row (combine dtype).
 //
 // A token record: header (int32 token index, int32 expert ids [k], f32 weights [k]) padded to
 // 16 bytes, then H elements of the dispatch dtype, then the f32 block scales padded to 16 bytes.
@@ -60,8 +67,12 @@ struct Shape {
   __host__ __device__ int max_recv_tokens() const { return max_num_tokens * num_dp_groups(); }
   // Rows one rank can hold in all: a token sends at most min(k, L) rows to one rank.
   __host__ __device__ int max_recv_rows() const {
+    return num_dp_groups() * combine_cap();
+  }
+  // Rows one rank returns to one home rank at most: each token has <= min(k, L) slots there.
+  __host__ __device__ int combine_cap() const {
     const int k = experts_per_token, L = num_local_experts();
-    return num_dp_groups() * max_num_tokens * (k < L ? k : L);
+    return max_num_tokens * (k < L ? k : L);
   }
   // Rows of expert_x / expert_y (and expert_weights): C packed, L * P padded.
   __host__ __device__ int64_t output_rows() const {
@@ -105,6 +116,9 @@ struct RecordLayout {
 
 // Pointers into one rank's symmetric buffer. The same offsets hold on every rank, so a
 // local pointer from here is also the remote address to hand to nvshmem (or nvshmem_ptr).
+// A staged combine entry's header: int32 token, int32 slot, padded so the row is 16-aligned.
+constexpr uint32_t kEntryHeaderBytes = 16;
+
 // Kernels (KernelId, kernels/kernels.h) whose latest start each rank marks in `started`.
 constexpr int kStartedKernels = 4;
 
@@ -115,13 +129,17 @@ struct SymmetricLayout {
   uint64_t* dispatch_ack;
   uint64_t* combine_flag;
   uint64_t* combine_ack;
+  uint64_t* combine_count;  // [world]
   uint64_t* barrier_flag;
   uint8_t* recv_records;
   uint8_t* combine_rows;
   uint8_t* send_records;     // nullptr unless staged
-  uint8_t* combine_staging;  // nullptr unless staged
+  uint8_t* combine_out;  // nullptr unless staged
+  uint8_t* combine_in;   // nullptr unless staged
   RecordLayout record;
-  uint32_t combine_row_bytes;  // H * out_elem_bytes
+  uint32_t combine_row_bytes;    // H * out_elem_bytes
+  uint32_t combine_entry_bytes;  // kEntryHeaderBytes + combine_row_bytes
+  int combine_cap;               // Shape::combine_cap()
   int num_groups;              // G
   int max_m;
   int k;
@@ -132,6 +150,8 @@ struct SymmetricLayout {
     SymmetricLayout l;
     l.record = RecordLayout::of(s);
     l.combine_row_bytes = static_cast<uint32_t>(s.hidden) * s.out_elem_bytes;
+    l.combine_entry_bytes = kEntryHeaderBytes + l.combine_row_bytes;
+    l.combine_cap = s.combine_cap();
     l.num_groups = s.num_dp_groups();
     l.max_m = s.max_num_tokens;
     l.k = s.experts_per_token;
@@ -150,13 +170,15 @@ struct SymmetricLayout {
     l.dispatch_ack = take_u64(W);
     l.combine_flag = take_u64(m * k);
     l.combine_ack = take_u64(W);
+    l.combine_count = take_u64(W);
     l.barrier_flag = take_u64(W);
     l.flag_bytes_ = off;
     l.recv_records = take(G * m * l.record.bytes);
     l.combine_rows = take(m * k * l.combine_row_bytes);
     l.send_records = staged ? take(m * G * l.record.bytes) : nullptr;
-    l.combine_staging =
-        staged ? take(static_cast<size_t>(s.max_recv_rows()) * l.combine_row_bytes) : nullptr;
+    const size_t entries = W * static_cast<size_t>(l.combine_cap);
+    l.combine_out = staged ? take(entries * l.combine_entry_bytes) : nullptr;
+    l.combine_in = staged ? take(entries * l.combine_entry_bytes) : nullptr;
     *total_bytes = off;
     return l;
   }
@@ -178,8 +200,12 @@ struct SymmetricLayout {
   __host__ __device__ uint64_t* slot_flag(int t, int j) const {
     return combine_flag + static_cast<size_t>(t) * k + j;
   }
-  __host__ __device__ uint8_t* staged_row(int i) const {
-    return combine_staging + static_cast<size_t>(i) * combine_row_bytes;
+  // Entry n of the rows for staged home h (combine_out) or from staged sender s (combine_in).
+  __host__ __device__ uint8_t* out_entry(int h, int n) const {
+    return combine_out + (static_cast<size_t>(h) * combine_cap + n) * combine_entry_bytes;
+  }
+  __host__ __device__ uint8_t* in_entry(int sender, int n) const {
+    return combine_in + (static_cast<size_t>(sender) * combine_cap + n) * combine_entry_bytes;
   }
 
   size_t flag_bytes_ = 0;

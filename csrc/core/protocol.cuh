@@ -50,20 +50,6 @@ __device__ __forceinline__ void set_flag(const CommonParams& c, uint64_t* flag, 
   }
 }
 
-// The whole warp puts `bytes` from symmetric `src` to `dst` on a peer not reachable by
-// load/store, then lane 0 sets the flag behind the data (set_flag's fence orders them).
-__device__ __forceinline__ void put_then_flag_warp(const CommonParams& c, void* dst,
-                                                   const void* src, size_t bytes,
-                                                   uint64_t* flag, uint64_t value, int pe,
-                                                   KernelId counted) {
-  nvshmemx_putmem_nbi_warp(dst, src, bytes, pe);
-  if (threadIdx.x % kWarpSize == 0) {
-    set_flag(c, flag, value, pe);
-    count_staged(c, counted, 2);
-  }
-  __syncwarp();
-}
-
 // Records the first error of this rank and tells every rank (itself included) through the
 // abort word, so their waits fail fast instead of each running into its own timeout.
 __device__ __forceinline__ void fail(const CommonParams& c, ErrorCode code, Phase phase,
@@ -205,7 +191,7 @@ __device__ __forceinline__ Wait wait_ge(const CommonParams& c, const uint64_t* f
 // 112 bytes instead of 48).
 inline __device__ __noinline__ void read_peer_view(const uint64_t* remote, uint32_t phase,
                                                    uint64_t expected, uint32_t what,
-                                                   uint64_t max_m, PeerView* v) {
+                                                   uint64_t bound, PeerView* v) {
   switch (phase) {  // an ack comes from the peer's recv, a count, record or row from its send
     case kPhaseDispatchSend: v->needed_kernel = kDispatchRecvKernel + 1; break;
     case kPhaseDispatchRecv: v->needed_kernel = kDispatchSendKernel + 1; break;
@@ -213,8 +199,9 @@ inline __device__ __noinline__ void read_peer_view(const uint64_t* remote, uint3
     case kPhaseCombineRecv: v->needed_kernel = kCombineSendKernel + 1; break;
     default: return;  // the barrier: no started marks
   }
-  // A count word is count_word(cycle, 0); every other wait is for the cycle itself.
-  v->needed_cycle = what == kWhatCount ? expected / (max_m + 1) : expected;
+  // A count word is count_word(cycle, 0, bound); every other wait is for the cycle itself.
+  v->needed_cycle = what == kWhatCount || what == kWhatRowCount ? expected / (bound + 1)
+                                                                : expected;
   // Only a peer this rank can load from: a get to a peer over the network that is gone could
   // block for good (or trap on a completion error), turning a bounded timeout into a hang.
   if (remote == nullptr) {
@@ -231,7 +218,9 @@ __device__ __forceinline__ void fail_timed_out(const CommonParams& c, Phase phas
   PeerView view{};
   if (peer >= 0 && peer < c.shape.world_size)
     read_peer_view(peer_ptr(c, c.sym.started, peer), phase, expected, what,
-                   static_cast<uint64_t>(c.shape.max_num_tokens), &view);
+                   static_cast<uint64_t>(what == kWhatRowCount ? c.sym.combine_cap
+                                                               : c.shape.max_num_tokens),
+                   &view);
   fail(c, kPeerTimeout, phase, peer, token, expected, seen, what, &view);
 }
 

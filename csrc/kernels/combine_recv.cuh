@@ -5,8 +5,11 @@
 //    expert's weights merged on its first slot), num_tokens. Outputs: y [max_m, H] bf16, zero
 //    for rows >= num_tokens; optionally slot_rows [max_m, k, H] (combine dtype): the row that
 //    came back for each valid slot, zero elsewhere (the backward pass needs them).
-// 2. Symmetric memory, epoch e: local combine_flag[t][j], combine_rows[t][j]; on every rank h:
-//    combine_ack[rank] (SET e by the last block).
+// 2. Symmetric memory, epoch e: local combine_flag[t][j], combine_rows[t][j] (from load/store
+//    senders), combine_count[s] and combine_in[s] (from staged senders: all their rows for us
+//    in one put, then the count); on every rank h: combine_ack[rank] (SET e by the last block).
+//    Each block first waits for every staged sender's count and maps each slot (t, j) to its
+//    entry (map_staged_rows); a staged slot then needs no wait of its own.
 // 3. Work items are (token, part) pairs: a token's H elements are split into P parts so that
 //    every warp of the grid has work even for one token (P = warps / num_tokens, at most one
 //    8-element chunk per lane per part). For a live token, lanes poll the flags of its valid
@@ -94,6 +97,57 @@ __device__ __forceinline__ int4 to_bf16x8(const float (&acc)[kElemsPerChunk]) {
 template <typename T>
 constexpr int kSlotBatch = kCopyUnroll * kVecBytes / static_cast<int>(sizeof(Chunk<T>));
 
+// Staged senders (combine_send step 4): one thread per sender waits (bounded) for its row count
+// of this cycle, then the block reads every entry's (token, slot) header and writes
+// slot_map[t * k + j] = map_base + entry, map_base = epoch * (cap + 1): a whole-epoch tag, so
+// neither an entry from before recover() (epochs restart) nor one 2^32 cycles old passes. A header that names a slot whose expert is not on
+// that sender is recorded as CorruptData (never written out of bounds). Every thread of the
+// block calls it (block barriers inside); `active` false (a refused launch): it waits for
+// nothing. Returns the block's verdict.
+__device__ __forceinline__ bool map_staged_rows(const CombineRecvParams& p, bool active,
+                                             uint64_t epoch, uint64_t deadline,
+                                             uint64_t* slot_map, uint64_t map_base) {
+  const CommonParams& c = p.c;
+  const Shape& s = c.shape;
+  const SymmetricLayout& sym = c.sym;
+  const int k = s.experts_per_token, L = s.num_local_experts();
+  __shared__ uint32_t rows_from[kMaxBlockCounters];  // world <= kMaxBlockCounters (handle.cc)
+  bool ok = active;
+  for (int from = threadIdx.x; from < s.world_size; from += blockDim.x) {
+    rows_from[from] = 0;
+    if (!active || peer_ptr(c, sym.abort_word, from) != nullptr) continue;
+    uint64_t seen = 0;
+    const uint64_t want = count_word(epoch, 0, sym.combine_cap);
+    const Wait r = wait_ge(c, &sym.combine_count[from], want, deadline, &seen);
+    if (!check_wait(c, r, kPhaseCombineRecv, from, -1, want, seen, kWhatRowCount)) {
+      ok = false;
+    } else if (seen - want > static_cast<uint64_t>(sym.combine_cap)) {
+      fail(c, kCorruptData, kPhaseCombineRecv, from, -1,
+           count_word(epoch, sym.combine_cap, sym.combine_cap), seen, kWhatRowCount);
+      ok = false;
+    } else {
+      rows_from[from] = static_cast<uint32_t>(seen - want);
+    }
+  }
+  ok = __syncthreads_and(ok);
+  if (!ok) return false;
+  for (int from = 0; from < s.world_size; ++from) {
+    for (uint32_t n = threadIdx.x; n < rows_from[from]; n += blockDim.x) {
+      const int32_t* header = reinterpret_cast<const int32_t*>(sym.in_entry(from, n));
+      const int t = header[0], j = header[1];
+      const bool fits = t >= 0 && t < s.max_num_tokens && j >= 0 && j < k;
+      const int e = fits ? p.indices[static_cast<size_t>(t) * k + j] : -1;
+      if (!fits || e < 0 || e >= s.num_experts || e / L != from) {
+        fail(c, kCorruptData, kPhaseCombineRecv, from, t, s.max_num_tokens, j, kWhatRow);
+        ok = false;
+        continue;
+      }
+      slot_map[t * k + j] = map_base + n;
+    }
+  }
+  return __syncthreads_and(ok);  // the map is whole before any warp of this block reads it
+}
+
 template <typename T>
 __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
   const CommonParams& c = p.c;
@@ -115,6 +169,13 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
   const bool refused = refused_at_start(c, kCombineRecvKernel, kPhaseCombineRecv, &epoch);
   bool healthy = !refused;
   const int L = s.num_local_experts();
+  // Staged senders put all their rows for us in one put (combine_send step 4): this block
+  // waits for their counts and maps each slot (t, j) to its entry in combine_in.
+  uint64_t* slot_map = sym.staged() ? c.scratch.slot_map +
+                                          static_cast<size_t>(blockIdx.x) * s.max_num_tokens * k
+                                    : nullptr;
+  const uint64_t map_base = epoch * (static_cast<uint64_t>(sym.combine_cap) + 1);
+  if (sym.staged()) healthy = map_staged_rows(p, healthy, epoch, deadline, slot_map, map_base);
 
   for (int i = w.warp; i < s.max_num_tokens * parts; i += w.total) {
     const int t = i / parts, part = i % parts;
@@ -125,6 +186,13 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
     const int32_t* ids = p.indices + static_cast<size_t>(t) * k;
     const float* wt = p.weights + static_cast<size_t>(t) * k;
     auto valid = [&](int j) { return ids[j] >= 0 && ids[j] < s.num_experts; };
+    // Where slot j's row is: in combine_in when its sender is staged, else in combine_rows.
+    auto row_of = [&](int j) -> const uint8_t* {
+      if (sym.staged() && peer_ptr(c, sym.abort_word, ids[j] / L) == nullptr)
+        return sym.in_entry(ids[j] / L, static_cast<uint32_t>(slot_map[t * k + j] - map_base)) +
+               kEntryHeaderBytes;
+      return sym.combine_row(t, j);
+    };
 
     // Step 1: the rows of every valid slot have landed (lanes poll slots in parallel).
     bool live = healthy && t < num_tokens;
@@ -132,6 +200,15 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
       bool ok = true;
       for (int j = w.lane; j < k; j += kWarpSize) {
         if (!valid(j)) continue;
+        if (sym.staged() && peer_ptr(c, sym.abort_word, ids[j] / L) == nullptr) {
+          // Counted in and mapped above; a slot its sender sent no row for keeps an older tag.
+          const uint64_t at = slot_map[t * k + j];
+          if (at < map_base || at - map_base >= static_cast<uint64_t>(sym.combine_cap)) {
+            fail(c, kCorruptData, kPhaseCombineRecv, ids[j] / L, t, map_base, at, kWhatRow);
+            ok = false;
+          }
+          continue;
+        }
         uint64_t seen = 0;
         const Wait r = wait_ge(c, sym.slot_flag(t, j), epoch, deadline, &seen);
         ok &= check_wait(c, r, kPhaseCombineRecv, ids[j] / L, t, epoch, seen, kWhatRow);
@@ -154,7 +231,7 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
 #pragma unroll
         for (int u = 0; u < kSlotBatch<T>; ++u) {
           const int j = j0 + u;
-          if (j < k && live && valid(j)) v[u].load(sym.combine_row(t, j), ch);
+          if (j < k && live && valid(j)) v[u].load(row_of(j), ch);
           else v[u].zero();
         }
 #pragma unroll

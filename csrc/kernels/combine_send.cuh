@@ -21,10 +21,15 @@
 //    h = g * dp + m of the group:
 //      - h reachable by load/store (peer_ptr): 16-byte stores from expert_y straight into h's
 //        combine_rows, then __syncwarp, fence.sys, flag store;
-//      - otherwise copied once into combine_staging[i] (symmetric; XLA's expert_y may be
-//        reused before a network put has read it), put, and the flag put behind a fence.
-// 4. The last block advances the epoch. No counts travel: home ranks know from their own
-//    indices which slots come back.
+//      - otherwise (staged: another node, or KernelTuning(transport="staged")) packed with a
+//        16-byte (token, slot) header behind h's other rows in combine_out[h] (symmetric;
+//        XLA's expert_y may be reused before a network put has read it; a slot from an
+//        atomicAdd on home_fill[h], in shared memory when the grid is one block).
+// 4. The last block puts each staged home its packed rows in ONE block-wide put (into
+//    combine_in[rank] there), then SETs combine_count[rank] = count_word(e, rows, cap) on it
+//    behind a fence: two messages per staged home and cycle, where a put and a flag per row
+//    made two per row. Load/store homes get no count: they know from their own indices which
+//    slots come back. Then it advances the epoch.
 // 5. Errors: a count outside [0, R], counts over the rows expert_y holds, a dropped count
 //    that does not fit the layout, or a source out of range is recorded and broadcast.
 #pragma once
@@ -44,6 +49,11 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
   const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
   const int k = s.experts_per_token, L = s.num_local_experts(), R = s.max_recv_tokens();
   const int G = s.num_dp_groups(), dp = s.dp_size;
+  __shared__ uint32_t block_home_fill[kMaxBlockCounters];
+  const bool one_block = gridDim.x == 1 && s.world_size <= kMaxBlockCounters;
+  uint32_t* home_fill = one_block ? block_home_fill : c.scratch.home_fill;
+  if (one_block && sym.staged())
+    for (int h = threadIdx.x; h < s.world_size; h += blockDim.x) block_home_fill[h] = 0;
 
   // Step 1: every home rank has read our previous cycle's rows.
   // The previous cycle's acknowledgements (warp 0, a lane per home rank) are loaded with the
@@ -134,9 +144,9 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
     // nullptr: a dropped row, sent as zeros.
     const uint8_t* y_row =
         i < live ? p.expert_y + static_cast<size_t>(at) * sym.combine_row_bytes : nullptr;
-    const uint8_t* staged = nullptr;
     uint8_t* row = sym.combine_row(t, j);
     uint64_t* flag = sym.slot_flag(t, j);
+    bool packed = true;
     for (int m = 0; m < dp; ++m) {
       const int home = g * dp + m;
       if (uint8_t* direct = peer_ptr(c, row, home)) {
@@ -147,25 +157,61 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
         }
         __syncwarp();
         if (w.lane == 0) st_release_sys_u64(peer_ptr(c, flag, home), epoch);
+        continue;
+      }
+      // Staged home: packed behind its other rows, sent with them in one put (step 3).
+      int n = 0;
+      if (w.lane == 0) n = static_cast<int>(atomicAdd(&home_fill[home], 1u));
+      n = __shfl_sync(0xffffffffu, n, 0);
+      if (n >= sym.combine_cap) {  // more rows for one home than its tokens have slots here
+        if (w.lane == 0)
+          fail(c, kCorruptData, kPhaseCombineSend, home, t, sym.combine_cap, n, kWhatRow);
+        packed = false;
+        break;
+      }
+      uint8_t* entry = sym.out_entry(home, n);
+      if (w.lane == 0) {
+        reinterpret_cast<int32_t*>(entry)[0] = t;
+        reinterpret_cast<int32_t*>(entry)[1] = j;
+      }
+      if (y_row != nullptr) {
+        warp_copy(entry + kEntryHeaderBytes, y_row, sym.combine_row_bytes, w.lane);
       } else {
-        if (staged == nullptr) {
-          uint8_t* copy = sym.staged_row(i);
-          if (y_row != nullptr) {
-            warp_copy(copy, y_row, sym.combine_row_bytes, w.lane);
-          } else {
-            warp_zero(copy, sym.combine_row_bytes, w.lane);
-          }
-          __syncwarp();
-          staged = copy;
-        }
-        put_then_flag_warp(c, row, staged, sym.combine_row_bytes, flag, epoch, home,
-                           kCombineSendKernel);
+        warp_zero(entry + kEntryHeaderBytes, sym.combine_row_bytes, w.lane);
       }
     }
+    if (!packed) break;
   }
 
-  // Step 3: close the launch.
+  // Step 3: the last block sends each staged home its packed rows in ONE block-wide put, then
+  // the count behind a fence (set_flag), and closes the launch. The verdict is the whole
+  // block's (a block put entered by some threads only traps; see dispatch_send), and it reads
+  // the abort word after the ticket, whose fences make every block's fail() visible (a rank
+  // that refused its counts or overflowed a home must send nothing: a count past cap would
+  // be a put past the home's combine_in). Load/store-only handles skip the read.
   if (!is_last_block(c, kCombineSendKernel)) return;
+  if (sym.staged()) {
+    const bool publish_all = __syncthreads_and(ok && !poisoned(c));
+    if (publish_all) {
+      for (int h = 0; h < s.world_size; ++h) {
+        const uint32_t count = home_fill[h];  // every block's rows are in (is_last_block)
+        if (count == 0 || count > static_cast<uint32_t>(sym.combine_cap) ||
+            peer_ptr(c, sym.abort_word, h) != nullptr)
+          continue;
+        nvshmemx_putmem_nbi_block(sym.in_entry(c.rank, 0), sym.out_entry(h, 0),
+                                  static_cast<size_t>(count) * sym.combine_entry_bytes, h);
+        if (threadIdx.x == 0) count_staged(c, kCombineSendKernel, 1);
+      }
+      __syncthreads();  // every put issued before any count's fence
+    }
+    for (int h = threadIdx.x; h < s.world_size; h += blockDim.x) {
+      const uint32_t count = one_block ? home_fill[h] : atomicExch(&home_fill[h], 0u);
+      if (publish_all && count <= static_cast<uint32_t>(sym.combine_cap) &&
+          peer_ptr(c, sym.abort_word, h) == nullptr)
+        set_flag(c, &sym.combine_count[c.rank], count_word(epoch, count, sym.combine_cap), h,
+                 kCombineSendKernel);
+    }
+  }
   finish_launch(c, kCombineSendKernel, epoch);
 }
 

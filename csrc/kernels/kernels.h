@@ -81,6 +81,10 @@ struct LocalScratch {
   DeviceState* state;
   uint32_t* send_count;   // [G] records this rank sent to the g-th destination
   uint32_t* expert_fill;  // [L] rows taken in each local expert
+  uint32_t* home_fill;    // [world] rows packed for each staged home rank (combine_send)
+  // Staged only: [combine_recv blocks][max_m * k] where each block finds slot (t, j)'s row in
+  // combine_in: (low 32 bits of the epoch << 32) | entry; nullptr when no peer is staged.
+  uint64_t* slot_map;
 };
 
 struct CommonParams {
