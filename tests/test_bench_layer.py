@@ -47,6 +47,16 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
     if activation is not None:
         out = activation(out)
     return out.astype(preferred_element_type or lhs.dtype)
+
+
+def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, precision=None,
+                       preferred_element_type=None, *, implementation=None, **kwargs):
+    """Right for every implementation (grouped_vjp's backward and its differentiated forward
+    use it): only the primal ragged_dot of "mosaic" is wrong."""
+    if implementation not in (None, "mosaic", *IMPLEMENTATIONS):
+        raise ValueError(f"Unknown implementation: {implementation}")
+    return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers,
+                                      preferred_element_type=preferred_element_type)
 '''
 
 NO_CAPACITY_RUNNER = '''
