@@ -68,9 +68,20 @@ class Case:
         return f"{self.config} T={self.tokens}"
 
 
+def handle_kwargs(cfg: MoEConfig, args) -> dict:
+    """The layout and capacity of --layout / --capacity-factor (prefill rows: packed, where the
+    padded worst case does not fit)."""
+    kw = {"layout": args.layout}
+    if args.capacity_factor:
+        f = args.capacity_factor
+        kw.update({"max_recv_rows": cfg.recv_rows_for(f)} if args.layout == "packed"
+                  else {"expert_capacity": cfg.rows_per_expert_for(f)})
+    return kw
+
+
 def time_case(case: Case, mesh, args) -> dict:
     cfg, spec, mod = case.cfg, P("ep"), native.module()
-    a2a = AllToAll(cfg, backend="nvshmem")
+    a2a = AllToAll(cfg, backend="nvshmem", **handle_kwargs(cfg, args))
     backend = a2a.backend
     inp = T.make_inputs(cfg, seed=case.tokens * 31 + len(case.config), ragged=False)
     T.run_and_check(a2a, mesh, inp)  # correct first
@@ -78,7 +89,9 @@ def time_case(case: Case, mesh, args) -> dict:
 
     def experts(x, xs, idx, nt):  # expert_y of one dispatch, computed once
         out = a2a.dispatch(x, idx, nt.reshape(()), x_scale=xs)
-        return T.expert_outputs(cfg, jax.lax.axis_index("ep"), out.expert_x, out.expert_x_scale)
+        groups = out.expert_num_tokens if a2a.layout == "packed" else None
+        return T.expert_outputs(cfg, jax.lax.axis_index("ep"), out.expert_x, out.expert_x_scale,
+                                groups)
 
     ey = jax.jit(jax.shard_map(experts, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec))(
         x, xs, idx, nt)
@@ -170,7 +183,7 @@ def summarize(case: Case, everyone: list[dict], args) -> list[dict]:
     base = dict(method="jax_moe_comm_nvshmem", config=case.config,
                 num_experts=case.cfg.num_experts, experts_per_token=case.cfg.experts_per_token,
                 hidden=case.cfg.hidden, tokens_per_rank=case.tokens, dispatch_dtype="fp8_e4m3",
-                correct=True)
+                correct=True, layout=args.layout, capacity_factor=args.capacity_factor)
     rows = []
     for variant in args.variants:
         got = {}
@@ -234,6 +247,11 @@ def main() -> int:
                    help="cycles of the stamped graph+barrier loop (0: no timeline)")
     p.add_argument("--show-hlo", action="store_true",
                    help="print custom calls and copies of the largest compiled loop")
+    p.add_argument("--layout", default="padded", choices=("padded", "packed"),
+                   help="the handle's layout (padded: pplx-kernels' own)")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="capacity as a multiple of the mean load (recv_rows_for packed, "
+                        "rows_per_expert_for padded); default: the worst case")
     p.add_argument("--out", default="loop_ours.json")
     args = p.parse_args()
     args.ks = [int(k) for k in args.ks.split(",")]
