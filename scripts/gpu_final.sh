@@ -96,6 +96,26 @@ for s in $STEPS; do
       $PY "$ROOT/benchmarks/bench_gemm.py" --configs V2Lite,R1 --tokens ${GEMM_TOKENS:-128,16,1} \
       --options ${GEMM_OPTIONS:-einsum,tokamax,tokamax_kernelwgrad,tokamax_ownvjp} \
       --budget-s $gb --out "$OUT" ${GEMM_ARGS:-} ;;
+  prefill)  # issue 24: dispatch + combine at prefill sizes by one clock, ours on packed rows
+    # (the padded worst case does not fit at 4096), pplx-kernels (PEER: a copy of shared/peer,
+    # carried) where it allocates; K back-to-back cycles in one recorded graph, slope over K
+    pt=${PREFILL_TOKENS:-512,1024,2048}; ks=${PREFILL_KS:-1,3,6}
+    la="--calls 0 --timeline 0 --variants graph --reps 3 --layout packed"
+    step $s 200 "${E[@]}" $(L $n 190) $PY "$ROOT/benchmarks/bench_loop.py" --tokens $pt \
+      --ks $ks $la --out "$OUT/prefill_ours.json"
+    if [ -n "${PREFILL_CAP_TOKENS:-4096}" ]; then  # with a capacity (1.25 x the mean load)
+      step ${s}_cap 150 "${E[@]}" $(L $n 140) $PY "$ROOT/benchmarks/bench_loop.py" \
+        --configs R1 --tokens ${PREFILL_CAP_TOKENS:-4096} --ks $ks $la --capacity-factor 1.25 \
+        --out "$OUT/prefill_ours_cap.json"
+    fi
+    if [ -n "${PEER:-}" ]; then
+      step ${s}_pplx 240 env "${vars[@]}" $PY "$ROOT/$PEER/loop_pplx.py" --launch $n \
+        --configs V2Lite,R1 --tokens ${PREFILL_PPLX_TOKENS:-512,1024} --ks $ks --reps 3 \
+        --variants graph --timeout 230 --out "$OUT/prefill_pplx.json"
+      [ -f "$OUT/prefill_pplx.json" ] && (cd "$ROOT" && $PY benchmarks/loop_compare.py \
+        "$OUT/prefill_compare.md" ours=$OUT/prefill_ours.json pplx=$OUT/prefill_pplx.json \
+        >> "$LOGS/prefill_compare.log" 2>&1; rm -f "$OUT/prefill_compare.png")
+    fi ;;
   *) echo "-- unknown step $s" | tee -a "$OUT/summary.txt" ;;
   esac
 done
