@@ -304,8 +304,8 @@ def combos(args):
     out = []
     for gemm in args.expert_gemm.split(","):
         G.check_option(gemm)
-        native = G.NATIVE_LAYOUT.get(G.resolve(gemm))
         for layout in args.layouts.split(","):
+            native = G.NATIVE_LAYOUT.get(G.resolve(gemm, layout=layout))
             if args.all_combos or gemm == "einsum" or native == layout:
                 out.append((layout, gemm))
     return out
@@ -390,7 +390,7 @@ def predict_layer_s(case: Case, world: int, sharing: int, args) -> float:
     """Optimistic seconds per layer on this GPU: GEMM FLOPs at --peak-flops plus weights and
     dispatch buffers at --hbm-bps, times the ranks sharing the GPU."""
     s = shape_of(case, world)
-    g = G.resolve(case.gemm)
+    g = G.resolve(case.gemm, layout=case.layout)
     if g == "einsum":
         rows = s["L"] * s["P"]  # P = R unless a padded capacity
     elif g == "ragged_dot" or (g == "masked" and G.masked_inner() == "ragged_dot"):
@@ -622,7 +622,7 @@ class Bench:
         E, k, H, F = LAYERS[case.config]
         return dict(config=case.config, num_experts=E, experts_per_token=k, hidden=H, ffn=F,
                     tokens_per_rank=case.tokens, phase=case.phase, layout=case.layout,
-                    expert_gemm=case.gemm, expert_gemm_resolved=G.resolve(case.gemm),
+                    expert_gemm=case.gemm, expert_gemm_resolved=G.resolve(case.gemm, layout=case.layout),
                     dispatch_dtype="bf16" if self.args.bf16 else "fp8",
                     capacity_factor=case.capacity or None, overflow=case.overflow or None,
                     skew=case.skew, kind=case.kind, wanted_capacity_factor=case.wanted or None,
@@ -741,7 +741,8 @@ class Bench:
         if not att.failed:
             row["finite"] = all(e["finite"] for e in errs)
             ref_key = (case.config, case.tokens, case.skew)
-            if case.layout == "padded" and G.resolve(case.gemm) == "einsum" and not case.capacity:
+            if case.layout == "padded" and G.resolve(case.gemm, layout="padded") == "einsum" \
+                    and not case.capacity:
                 self.refs[ref_key] = [np.asarray(s.data) for s in y.addressable_shards]
                 row["err"] = 0.0
             elif all(e.get("err") is not None for e in errs):

@@ -221,6 +221,12 @@ def tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype=f32, implementation=None,
     wrong on the H200): grad_window rows per expert in the weight gradients' batched GEMM
     (default grad_window_for), wgrad: grouped_vjp.WGRAD."""
     window = grad_window or grad_window_for(x.shape[0], w_in.shape[0])
+    if window < 1:
+        raise ValueError(f"grad_window={grad_window}: rows per expert must be >= 1")
+    # Inputs on one varying type (e.g. rows split over ("dp", "ep"), weights over "ep"): a
+    # custom VJP must return each cotangent with its primal's type; autodiff of these casts
+    # sums the weight gradients over the axes the weights do not vary over.
+    x, w_in, w_out = (_vary_like(v, x, w_in, w_out) for v in (x, w_in, w_out))
     primal = _tokamax_primal(implementation)
     return grouped_vjp.grouped_mlp(x, group_sizes.astype(jnp.int32), w_in, w_out,
                                    jnp.dtype(out_dtype), _tokamax_dot(implementation), primal,
