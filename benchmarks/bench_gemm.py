@@ -157,15 +157,19 @@ class Case:
         return x, self.counts, self.w_in, self.w_out, g
 
 
-def option_fn(option):
-    """(layout, mlp(x, counts, w_in, w_out) -> y bf16) of a bench option."""
+def option_fn(option, case=None):
+    """(layout, mlp(x, counts, w_in, w_out) -> y bf16) of a bench option; the tokamax options'
+    weight-gradient window as the MoE layer sizes it (twice the case's mean rows per expert)."""
+    window = None if case is None else G.grad_window_for(case.T, case.L,
+                                                         mean_rows=-(-case.live // case.L))
     out = dict(out_dtype=bf16)
     if option == "einsum":
         return "padded", lambda x, c, wi, wo: G.einsum_mlp(x, wi, wo, **out)
     if option in ("ragged_dot", "ragged_dot_triton"):
         return "packed", lambda x, c, wi, wo: G.ragged_dot_mlp(x, c, wi, wo, **out)
     if option == "tokamax":
-        return "packed", lambda x, c, wi, wo: G.tokamax_mlp(x, c, wi, wo, **out)
+        return "packed", lambda x, c, wi, wo: G.tokamax_mlp(x, c, wi, wo, grad_window=window,
+                                                            **out)
     if option == "tokamax_kernelwgrad":  # our VJP, tokamax's ragged-contracting kernel for d w
         return "packed", lambda x, c, wi, wo: G.tokamax_mlp(x, c, wi, wo, wgrad="kernel", **out)
     if option == "tokamax_ownvjp":  # tokamax's own VJP (the layer's before grouped_vjp)
@@ -176,9 +180,10 @@ def option_fn(option):
         if unfused:
             return "packed", lambda x, c, wi, wo: tokamax_unfused_mlp(x, c, wi, wo, impl)
         return "packed", lambda x, c, wi, wo: G.tokamax_mlp(x, c, wi, wo, implementation=impl,
-                                                            **out)
+                                                            grad_window=window, **out)
     if option == "masked":
-        return "padded", lambda x, c, wi, wo: G.masked_mlp(x, c, wi, wo, **out)
+        return "padded", lambda x, c, wi, wo: G.masked_mlp(x, c, wi, wo, grad_window=window,
+                                                           **out)
     raise ValueError(f"unknown option {option!r}; expected one of {OPTIONS}")
 
 
@@ -362,7 +367,7 @@ def shard_map_check(option, case, tol):
     grads against the plain call. '' when it matches."""
     from jax.sharding import PartitionSpec as P
 
-    layout, mlp = option_fn(option)
+    layout, mlp = option_fn(option, case)
     op = fwd_bwd_op(mlp)
     args = case.args(layout)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("ep",))
@@ -401,7 +406,7 @@ def bench_option(case, option, ref, known_errors):
         if option == "ragged_dot_triton":
             jax.config.update(TRITON_FLAG, True)
             flag_set = True
-        layout, mlp = option_fn(option)
+        layout, mlp = option_fn(option, case)
         args = case.args(layout)
         if option.startswith("tokamax"):
             row["tokamax_config"] = tokamax_config(case)

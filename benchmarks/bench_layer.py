@@ -622,7 +622,8 @@ class Bench:
         E, k, H, F = LAYERS[case.config]
         return dict(config=case.config, num_experts=E, experts_per_token=k, hidden=H, ffn=F,
                     tokens_per_rank=case.tokens, phase=case.phase, layout=case.layout,
-                    expert_gemm=case.gemm, expert_gemm_resolved=G.resolve(case.gemm, layout=case.layout),
+                    expert_gemm=case.gemm,
+                    expert_gemm_resolved=G.resolve(case.gemm, layout=case.layout),
                     dispatch_dtype="bf16" if self.args.bf16 else "fp8",
                     capacity_factor=case.capacity or None, overflow=case.overflow or None,
                     skew=case.skew, kind=case.kind, wanted_capacity_factor=case.wanted or None,

@@ -100,7 +100,8 @@ def main(argv=None) -> int:
         f"platform={jax.default_backend()} E={cfg.num_experts} k={cfg.experts_per_token} "
         f"H={cfg.hidden} F={cfg.ffn} max_tokens/rank={cfg.max_num_tokens} "
         f"dispatch={'fp8' if cfg.fp8_dispatch else 'bf16'} shared_expert={cfg.shared_expert} "
-        f"layout={a2a.layout} expert_gemm={expert_gemm.resolve(cfg.expert_gemm, layout=a2a.layout)}")
+        f"layout={a2a.layout} "
+        f"expert_gemm={expert_gemm.resolve(cfg.expert_gemm, layout=a2a.layout)}")
     comm = a2a.config
     row_bytes = comm.hidden * comm.dispatch_dtype.itemsize
     padded = comm.num_local_experts * comm.max_recv_tokens * row_bytes

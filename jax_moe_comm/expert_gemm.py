@@ -160,7 +160,9 @@ def _varying_axes(x) -> set:
 def _vary_like(out, *inputs):
     """out typed as varying over every manual axis its inputs vary over. tokamax's Pallas
     kernels return outputs typed invariant under shard_map (seen on the H200, jax 0.11.2):
-    a custom VJP then refuses the varying cotangent of such an output."""
+    a custom VJP then refuses the varying cotangent of such an output. Its transpose is a psum
+    over those axes: use it on a kernel's output or inside a custom VJP, not on a value whose
+    cotangent JAX's autodiff already sums (tokamax_mlp's input casts rely on exactly that)."""
     axes = tuple(sorted(set().union(*map(_varying_axes, inputs)) - _varying_axes(out)))
     if not axes:
         return out
@@ -206,11 +208,19 @@ def _tokamax_primal(implementation=None):
     return functools.partial(_tokamax_forward, implementation=implementation)
 
 
-def grad_window_for(rows: int, num_local_experts: int) -> int:
-    """The weight gradients' rows per expert (grouped_vjp) when the caller names none: twice
-    an even share of the packed rows, a multiple of 8, at most all of them."""
-    even = -(-rows // max(num_local_experts, 1))
-    return min(rows, max(8, -(-2 * even // 8) * 8))
+# The weight-gradient GEMM writes L*K*N weights whatever its window: up to ~64 rows per expert
+# the write, not the FLOPs, bounds it on an H200 (R1: 0.9 GB of d w per weight, 0.23 ms; 64
+# rows: 0.09 ms of FLOPs), so a wider window is free and keeps skewed small batches off the
+# chunked path (R1, 16 tokens per rank: 4 rows per expert on average, 10 at most).
+MIN_GRAD_WINDOW = 64
+
+
+def grad_window_for(rows: int, num_local_experts: int, mean_rows: int | None = None) -> int:
+    """The weight gradients' rows per expert (grouped_vjp): twice the mean rows per expert
+    (mean_rows; default: an even share of all `rows`, the packed capacity), a multiple of 8,
+    at least MIN_GRAD_WINDOW, at most `rows`."""
+    mean = mean_rows if mean_rows is not None else -(-rows // max(num_local_experts, 1))
+    return min(rows, max(MIN_GRAD_WINDOW, -(-2 * mean // 8) * 8))
 
 
 def tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype=f32, implementation=None,
@@ -233,10 +243,10 @@ def tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype=f32, implementation=None,
                                    int(window), wgrad)
 
 
-def _grouped_mlp(x, group_sizes, w_in, w_out, out_dtype):
+def _grouped_mlp(x, group_sizes, w_in, w_out, out_dtype, grad_window=None):
     """The grouped GEMM under "masked": tokamax's when it imports, else XLA's ragged_dot."""
     if tokamax_problem() is None:
-        return tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype)
+        return tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype, grad_window=grad_window)
     return ragged_dot_mlp(x, group_sizes, w_in, w_out, out_dtype)
 
 
@@ -245,11 +255,13 @@ def masked_inner() -> str:
     return "tokamax" if tokamax_problem() is None else "ragged_dot"
 
 
-def masked_mlp(x, counts, w_in, w_out, out_dtype=f32, total_rows: int | None = None):
+def masked_mlp(x, counts, w_in, w_out, out_dtype=f32, total_rows: int | None = None,
+               grad_window: int | None = None):
     """"masked": padded x [L, R, H] -> [L, R, H], only rows r < counts[e] computed (zero past
     them): gathered into a packed view of total_rows rows (default L*R; pass the most that can
     be live, MoEConfig.max_recv_total), one grouped GEMM, scattered back."""
-    return _via_packed(_grouped_mlp, x, counts, w_in, w_out, out_dtype, total_rows)
+    fn = functools.partial(_grouped_mlp, grad_window=grad_window)
+    return _via_packed(fn, x, counts, w_in, w_out, out_dtype, total_rows)
 
 
 def _via_packed(fn, x, counts, w_in, w_out, out_dtype, total_rows):
@@ -279,6 +291,8 @@ def expert_mlp(x, counts, w_in, w_out, option: str = "auto", *, out_dtype=f32,
     if x.ndim == 3:  # padded
         if option == "einsum":
             return einsum_mlp(x, w_in, w_out, out_dtype)
+        if option in ("masked", "tokamax"):  # the window reaches the backward
+            packed_fn = functools.partial(packed_fn, grad_window=grad_window)
         return _via_packed(packed_fn, x, counts, w_in, w_out, out_dtype, total_rows)
     if option == "einsum":  # packed rows through the padded einsum, and back
         padded = unpack_rows(x, counts, rows_per_expert or x.shape[0])

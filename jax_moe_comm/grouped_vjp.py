@@ -1,21 +1,24 @@
 """The expert MLP on packed rows with its backward written out (issue 24).
 
 tokamax's grouped GEMM computes the forward right on the H200, but the VJP tokamax ships with it
-gave weight gradients 0.5 wrong at 768-1024 packed rows (bench_gemm, 2026-12-05, tokamax 0.0.17:
-d x right, d w_in and d w_out wrong; right at <= 128 rows), and it refuses shard_map's varying
-manual axes. Here the MLP's VJP is ours:
+gave weight gradients 0.45-0.73 wrong at 768-1024 packed rows (bench_gemm, 2026-12-05, tokamax
+0.0.17: d x right, d w_in and d w_out wrong; right at <= 128 rows in all, the largest measured
+right being 96), and it refuses shard_map's varying manual axes. Here the MLP's VJP is ours:
 
 - d h and d x: the same forward grouped GEMM on the transposed weights (tokamax's forward
   kernel, the part measured right);
 - d w_in and d w_out ("weight gradients": for every expert e, a_e^T @ b_e over its rows) through
   XLA's batched GEMM on a window of `window` rows per expert (one cuBLAS call over L * window
   rows): an expert with more rows than the window takes a loop over window-sized chunks instead
-  (lax.cond on the largest group; correct for any routing, slower when it is skewed).
+  (lax.cond on the largest group; correct for any routing, slower when it is skewed; on a GPU
+  the cond's predicate may cost a device-to-host read per weight: measure before relying on
+  it inside a recorded graph).
   wgrad="kernel" uses the grouped GEMM's own ragged-contracting dot instead (to measure it).
 
 `grouped_ragged_dot` is any function with jax.lax.ragged_dot_general's signature (lhs, rhs,
 group_sizes, ragged_dot_dimension_numbers, preferred_element_type): XLA's, or tokamax's.
-Rows past sum(group_sizes) are read as zero and get zero gradient.
+Rows past sum(group_sizes) are read as zero and get zero gradient. The output cotangent is
+rounded to bf16 before the GEMMs (the weights' dtype), also when out_dtype is f32.
 """
 
 from __future__ import annotations
@@ -109,7 +112,10 @@ def weight_grad_windows(a, b, group_sizes, window: int, out_dtype=bf16):
 
 
 def _weight_grad(a, b, gs, dot, window, wgrad, out_dtype):
-    if wgrad == "kernel":
+    if wgrad == "kernel":  # rows past the live ones zeroed: only the kernel's arithmetic counts
+        live = (jnp.arange(a.shape[0]) < jnp.sum(gs))[:, None]
+        a = jnp.where(live, a, jnp.zeros((), a.dtype))
+        b = jnp.where(live, b, jnp.zeros((), b.dtype))
         return dot(a, b, gs, CONTRACT_ROWS, preferred_element_type=f32).astype(out_dtype)
     return weight_grad_windows(a, b, gs, window, out_dtype)
 

@@ -124,7 +124,9 @@ def experts_forward(a2a: AllToAll, params, out, expert_gemm: str = "auto"):
     return gemm.expert_mlp(ex, out.expert_num_tokens, params["w_in"], params["w_out"],
                            expert_gemm, out_dtype=cfg.combine_dtype,
                            rows_per_expert=rows_per_expert, total_rows=total_rows,
-                           grad_window=min(rows_per_expert, cfg.rows_per_expert_for(2.0)))
+                           grad_window=gemm.grad_window_for(
+                               rows_per_expert, cfg.num_local_experts,
+                               mean_rows=cfg.expected_rows_per_expert))
 
 
 def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens, drop=None,

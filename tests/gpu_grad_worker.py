@@ -42,7 +42,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_moe_comm import AllToAll, MoEConfig, bootstrap, expert_gemm, testing as T, train  # noqa: E402,E501
+from jax_moe_comm import AllToAll, MoEConfig, bootstrap, expert_gemm, train  # noqa: E402
+from jax_moe_comm import testing as T  # noqa: E402
 from jax_moe_comm.moe import MoELayerConfig, init_params  # noqa: E402
 
 bf16, fp8, f32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32

@@ -85,7 +85,7 @@ def test_matches_autodiff_of_the_dense_mlp(window, wgrad):
     assert not np.asarray(got[1])[~live].any(), "rows past the live ones got a gradient"
 
 
-def test_weight_grad_windows_both_paths_agree_exactly_when_groups_fit():
+def test_weight_grad_windows_batched_and_chunked_match_xla():
     rng = np.random.default_rng(1)
     a = jnp.asarray(rng.standard_normal((T, H)), bf16)
     b = jnp.asarray(rng.standard_normal((T, F)), bf16)
@@ -120,7 +120,8 @@ def test_grad_under_shard_map_varying_axes():
     close("shard_map dw_in, chunked vs batched", out[:, 1], out[:, 0])
 
 
-def test_grad_window_for_is_twice_an_even_share():
-    assert expert_gemm.grad_window_for(1024, 32) == 64
-    assert expert_gemm.grad_window_for(8, 32) == 8   # at least 8, at most the rows
-    assert expert_gemm.grad_window_for(4, 32) == 4
+def test_grad_window_for_is_twice_the_mean_at_least_64():
+    assert expert_gemm.grad_window_for(8192, 32) == 512      # no mean given: an even share
+    assert expert_gemm.grad_window_for(8192, 32, mean_rows=96) == 192
+    assert expert_gemm.grad_window_for(8192, 32, mean_rows=4) == 64   # the floor
+    assert expert_gemm.grad_window_for(40, 32, mean_rows=4) == 40     # at most the rows
