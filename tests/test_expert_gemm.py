@@ -238,3 +238,36 @@ def test_vary_like_types_an_invariant_kernel_output_as_its_inputs():
     y = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(jnp.arange(4.0))
     assert seen == {"before": set(), "after": {"ep"}}
     assert np.array_equal(np.asarray(y), np.arange(4.0))
+
+
+def test_tokamax_grads_with_rows_over_dp_ep_and_weights_over_ep(monkeypatch):
+    """Rows split over ("dp", "ep"), weights over "ep" only (the Flax module with data_axes):
+    the custom VJP's weight cotangents must come back with the weights' type, summed over dp,
+    as autodiff of XLA's ragged_dot gives them."""
+    monkeypatch.setattr(expert_gemm, "_tokamax", lambda: (StandInTokamax(), None))
+    expert_gemm._tokamax_dot.cache_clear()
+    from jax.sharding import PartitionSpec as P
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "ep"))
+    rng = np.random.default_rng(3)
+    rows, h, f, L = 12, 16, 24, 2
+    sizes = jnp.asarray([5, 4], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((4 * rows, h)), jnp.bfloat16)
+    w_in = jnp.asarray(rng.standard_normal((2 * L, h, f)) / 4, jnp.bfloat16)
+    w_out = jnp.asarray(rng.standard_normal((2 * L, f, h)) / 5, jnp.bfloat16)
+
+    def grads(option):
+        def body(x, w_in, w_out):
+            def loss(w_in, w_out):
+                y = expert_gemm.expert_mlp(x, sizes, w_in, w_out, option)
+                return jnp.sum(y[:9] ** 2)
+            return jax.grad(loss, argnums=(0, 1))(w_in, w_out)
+        f = jax.shard_map(body, mesh=mesh, in_specs=(P(("dp", "ep")), P("ep"), P("ep")),
+                          out_specs=(P("ep"), P("ep")))
+        return jax.jit(f)(x, w_in, w_out)
+
+    try:
+        got, want = grads("tokamax"), grads("ragged_dot")
+    finally:
+        expert_gemm._tokamax_dot.cache_clear()
+    close("d w_in", got[0], want[0])
+    close("d w_out", got[1], want[1])
