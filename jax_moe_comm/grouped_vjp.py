@@ -128,7 +128,7 @@ def grouped_mlp(x, group_sizes, w_in, w_out, out_dtype, dot, primal, window, wgr
     dot: the grouped GEMM (ragged_dot_general's signature) for the backward and for the
     forward under differentiation; primal: (x, group_sizes, w_in, w_out, out_dtype) -> y, the
     forward when not differentiated (e.g. tokamax with SiLU fused). window: rows per expert of
-    the weight gradients' batched GEMM (e.g. 2x the mean load, MoEConfig.rows_per_expert_for);
+    the weight gradients' batched GEMM (expert_gemm.grad_window_for: 2x the mean, >= 64);
     wgrad: WGRAD."""
     return primal(x, group_sizes, w_in, w_out, out_dtype)
 
