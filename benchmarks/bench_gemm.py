@@ -23,6 +23,8 @@ program holds; differentiated through grouped_vjp: tokamax's forward kernel for 
 batched GEMM over a window of rows per expert for d w), masked (padded, live rows gathered,
 tokamax's GEMM, scattered back).
 tokamax_kernelwgrad: the same VJP with tokamax's ragged-contracting kernel for d w;
+tokamax_alignedwgrad: that kernel on groups re-laid to start at multiples of 128 rows (its
+k-block: does alignment avoid its fault? no control flow, unlike the window path's lax.cond);
 tokamax_ownvjp: tokamax's own VJP (its d w were 0.5 wrong at 768-1024 rows on 2026-12-05).
 Diagnosis variants of tokamax (issue 24: wrong at 128 tokens per rank, right at 1 and 16),
 named tokamax[_<implementation>][_unfused]:
@@ -80,7 +82,8 @@ SMOKE_CONFIGS = {"tiny": (32, 4, 128, 256)}
 RANKS = 8
 HBM_BPS, PEAK_FLOPS = 4.0e12, 700e12
 OPTIONS = ("einsum", "ragged_dot", "ragged_dot_triton", "tokamax", "masked", "tokamax_unfused",
-           "tokamax_mosaic", "tokamax_xla", "tokamax_kernelwgrad", "tokamax_ownvjp")
+           "tokamax_mosaic", "tokamax_xla", "tokamax_kernelwgrad", "tokamax_alignedwgrad",
+           "tokamax_ownvjp")
 TOKAMAX_IMPLS = ("mosaic", "triton", "xla", "mosaic_gpu")  # tokamax 0.0.17's names
 TRITON_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
 
@@ -172,6 +175,9 @@ def option_fn(option, case=None):
                                                             **out)
     if option == "tokamax_kernelwgrad":  # our VJP, tokamax's ragged-contracting kernel for d w
         return "packed", lambda x, c, wi, wo: G.tokamax_mlp(x, c, wi, wo, wgrad="kernel", **out)
+    if option == "tokamax_alignedwgrad":  # the same on groups aligned to its 128-row k-blocks
+        return "packed", lambda x, c, wi, wo: G.tokamax_mlp(x, c, wi, wo, wgrad="kernel_aligned",
+                                                            **out)
     if option == "tokamax_ownvjp":  # tokamax's own VJP (the layer's before grouped_vjp)
         return "packed", lambda x, c, wi, wo: G._tokamax_forward(x, c.astype(jnp.int32), wi, wo,
                                                                  bf16)

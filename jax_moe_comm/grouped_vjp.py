@@ -13,7 +13,9 @@ right being 96), and it refuses shard_map's varying manual axes. Here the MLP's 
   (lax.cond on the largest group; correct for any routing, slower when it is skewed; on a GPU
   the cond's predicate may cost a device-to-host read per weight: measure before relying on
   it inside a recorded graph).
-  wgrad="kernel" uses the grouped GEMM's own ragged-contracting dot instead (to measure it).
+  wgrad="kernel" uses the grouped GEMM's own ragged-contracting dot instead (to measure it;
+  tokamax's is wrong past 128 rows), "kernel_aligned" the same on groups re-laid to start at
+  multiples of 128 rows (no control flow; whether that avoids tokamax's fault is to measure).
 
 `grouped_ragged_dot` is any function with jax.lax.ragged_dot_general's signature (lhs, rhs,
 group_sizes, ragged_dot_dimension_numbers, preferred_element_type): XLA's, or tokamax's.
@@ -43,7 +45,10 @@ CONTRACT_ROWS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
     rhs_group_dimensions=[])
 
-WGRAD = ("windows", "kernel")
+WGRAD = ("windows", "kernel", "kernel_aligned")
+# "kernel_aligned": every group's rows start at a multiple of this (tokamax's k-block on sm90),
+# so no k-block of the ragged-contracting kernel holds two groups' rows.
+ALIGN_ROWS = 128
 
 
 def xla_ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers,
@@ -111,7 +116,27 @@ def weight_grad_windows(a, b, group_sizes, window: int, out_dtype=bf16):
     return jax.lax.cond(jnp.max(gs) <= window, batched, chunked, None)
 
 
+def align_groups(a, group_sizes, align: int = ALIGN_ROWS):
+    """a's rows [T, K] regrouped so that group e starts at a multiple of `align` (zero rows
+    between groups): ([T + L * (align - 1) rounded up to align, K], the aligned group sizes).
+    Static shapes, no control flow."""
+    gs = group_sizes.astype(jnp.int32)
+    L = gs.shape[0]
+    rows = -(-(a.shape[0] + L * (align - 1)) // align) * align
+    sizes = -(-gs // align) * align
+    ends = jnp.cumsum(sizes)
+    i = jnp.arange(rows, dtype=jnp.int32)
+    e = jnp.minimum(jnp.searchsorted(ends, i, side="right"), L - 1).astype(jnp.int32)
+    within = i - (ends - sizes)[e]
+    keep = (within < gs[e]) & (i < ends[-1])
+    src = jnp.clip(_group_starts(gs)[e] + within, 0, a.shape[0] - 1)
+    return jnp.where(keep[:, None], a[src], jnp.zeros((), a.dtype)), sizes
+
+
 def _weight_grad(a, b, gs, dot, window, wgrad, out_dtype):
+    if wgrad == "kernel_aligned":  # the grouped GEMM's own kernel on block-aligned groups
+        (aa, sizes), (ba, _) = align_groups(a, gs), align_groups(b, gs)
+        return dot(aa, ba, sizes, CONTRACT_ROWS, preferred_element_type=f32).astype(out_dtype)
     if wgrad == "kernel":  # rows past the live ones zeroed: only the kernel's arithmetic counts
         live = (jnp.arange(a.shape[0]) < jnp.sum(gs))[:, None]
         a = jnp.where(live, a, jnp.zeros((), a.dtype))

@@ -94,7 +94,7 @@ for s in $STEPS; do
     gb=$(( $(left) - 30 )); [ "$gb" -gt "${GEMM_BUDGET:-150}" ] && gb=${GEMM_BUDGET:-150}
     step $s $(( gb + 40 )) "${E[@]}" PYTHONPATH="$TK_SITE${PYTHONPATH:+:$PYTHONPATH}" \
       $PY "$ROOT/benchmarks/bench_gemm.py" --configs V2Lite,R1 --tokens ${GEMM_TOKENS:-128,16,1} \
-      --options ${GEMM_OPTIONS:-einsum,tokamax,tokamax_kernelwgrad,tokamax_ownvjp} \
+      --options ${GEMM_OPTIONS:-einsum,tokamax,tokamax_alignedwgrad,tokamax_kernelwgrad} \
       --budget-s $gb --out "$OUT" ${GEMM_ARGS:-} ;;
   prefill)  # issue 24: dispatch + combine at prefill sizes by one clock, ours on packed rows
     # (the padded worst case does not fit at 4096), pplx-kernels (PEER: a copy of shared/peer,

@@ -72,8 +72,9 @@ def close(name, got, want):
 
 
 @pytest.mark.parametrize("window,wgrad", [(16, "windows"), (4, "windows"), (1, "windows"),
-                                          (16, "kernel")],
-                         ids=["batched", "chunked", "chunks-of-one", "xla-ragged-contracting"])
+                                          (16, "kernel"), (16, "kernel_aligned")],
+                         ids=["batched", "chunked", "chunks-of-one", "xla-ragged-contracting",
+                              "xla-ragged-contracting-aligned"])
 def test_matches_autodiff_of_the_dense_mlp(window, wgrad):
     x, w_in, w_out, dy, live = data()
     want = value_and_grads(lambda *a: dense_mlp(*a, live), x, w_in, w_out, dy, live)
@@ -125,3 +126,16 @@ def test_grad_window_for_is_twice_the_mean_at_least_64():
     assert expert_gemm.grad_window_for(8192, 32, mean_rows=96) == 192
     assert expert_gemm.grad_window_for(8192, 32, mean_rows=4) == 64   # the floor
     assert expert_gemm.grad_window_for(40, 32, mean_rows=4) == 40     # at most the rows
+
+
+def test_align_groups_starts_every_group_at_a_multiple():
+    a = jnp.arange(T, dtype=f32)[:, None] + 1  # row r holds r + 1
+    aligned, sizes = grouped_vjp.align_groups(a, jnp.asarray(SIZES), align=8)
+    assert list(np.asarray(sizes)) == [8, 0, 16, 8]
+    got = np.asarray(aligned)[:, 0]
+    assert got.shape[0] % 8 == 0 and got.shape[0] >= T + 4 * 7
+    want = np.zeros_like(got)
+    want[0:5] = np.arange(1, 6)       # expert 0: rows 0-4
+    want[8:19] = np.arange(6, 17)     # expert 2: rows 5-15, at 8 (expert 1 is empty)
+    want[24:26] = np.arange(17, 19)   # expert 3: rows 16-17, at 24
+    assert np.array_equal(got, want)
