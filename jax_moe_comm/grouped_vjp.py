@@ -97,14 +97,10 @@ def weight_grad_windows(a, b, group_sizes, window: int, out_dtype=bf16):
         return jnp.einsum("lwk,lwn->lkn", aw, bw, preferred_element_type=out_dtype)
 
     def chunked(_):
-        r = jnp.arange(window)
-
         def expert(e, out):
-            def chunk(c, acc):
-                keep = c * window + r < gs[e]
-                rows = jnp.clip(starts[e] + c * window + r, 0, a.shape[0] - 1)
-                ac = jnp.where(keep[:, None], a[rows], jnp.zeros((), a.dtype))
-                bc = jnp.where(keep[:, None], b[rows], jnp.zeros((), b.dtype))
+            def chunk(c, acc):  # rows [c * window, + window) of expert e alone
+                ac, bc = (_windows(v, gs[e][None], starts[e][None], window, c * window)[0]
+                          for v in (a, b))
                 return acc + jnp.einsum("wk,wn->kn", ac, bc, preferred_element_type=f32)
 
             chunks = (gs[e] + window - 1) // window
