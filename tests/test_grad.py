@@ -219,6 +219,29 @@ PACKED_CASES = [(EP8, "skewed", 0.5), (EP8_DP2, "duplicates", 0.5), (EP4_FP8, "r
                 (EP4_DP2_FP8, "skewed", 0.5)]
 
 
+def _rules_with_drops_match_oracle_and_plain_autodiff(a2a, case, routing, split=False):
+    """The capacity tests' checks: the rules against the numpy oracle without the slots the
+    handle dropped (at least one must drop when it can), and against plain-JAX autodiff of the
+    reference backend with the same layout and capacity."""
+    cfg = a2a.config
+    mesh = T.make_mesh(case.ep)
+    inp, G = T.make_inputs(cfg, 8, routing), T.loss_cotangent(cfg, 8)
+    expect = inp
+    if T.can_drop(a2a):
+        keys = np.asarray(T.make_step(a2a, mesh, dropped=True)(*T.global_inputs(
+            cfg, mesh, inp))[4])
+        assert (keys >= 0).any(), "no row was dropped: make the capacity smaller"
+        expect = T.without_slots(cfg, inp, keys)
+    T.check_grads_against_oracle(a2a, mesh, inp, G, expect=expect, split=split)
+    args = T.grad_inputs(cfg, mesh, inp, G)
+    rules, plain = (T.make_grad_step(a2a, mesh, split, plain=p)(*args) for p in (False, True))
+    for name, got, want in zip(("d x", "d weights", "y"), rules, plain):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        assert np.isfinite(got).all(), name
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(got, want, atol=1e-2 * scale, err_msg=name)
+
+
 @pytest.mark.parametrize("case, routing, factor", PACKED_CASES,
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_packed_rules_with_a_capacity_match_plain_autodiff_and_oracle(case, routing, factor):
@@ -236,22 +259,7 @@ def test_packed_rules_with_a_capacity_match_plain_autodiff_and_oracle(case, rout
     assert (plan.combine_grad is plan.dispatch_grad) == (cfg.dp_size == 1 and factor is None)
     assert plan.combine_grad.recv_rows == plan.combine_grad.cfg.max_recv_total
     assert plan.dispatch_grad.recv_rows == C
-    mesh = T.make_mesh(case.ep)
-    inp, G = T.make_inputs(cfg, 8, routing), T.loss_cotangent(cfg, 8)
-    expect = inp
-    if T.can_drop(a2a):
-        keys = np.asarray(T.make_step(a2a, mesh, dropped=True)(*T.global_inputs(
-            cfg, mesh, inp))[4])
-        assert (keys >= 0).any(), "no row was dropped: make the capacity smaller"
-        expect = T.without_slots(cfg, inp, keys)
-    T.check_grads_against_oracle(a2a, mesh, inp, G, expect=expect)
-    args = T.grad_inputs(cfg, mesh, inp, G)
-    rules, plain = (T.make_grad_step(a2a, mesh, plain=p)(*args) for p in (False, True))
-    for name, got, want in zip(("d x", "d weights", "y"), rules, plain):
-        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-        assert np.isfinite(got).all(), name
-        scale = max(1.0, float(np.abs(want).max()))
-        np.testing.assert_allclose(got, want, atol=1e-2 * scale, err_msg=name)
+    _rules_with_drops_match_oracle_and_plain_autodiff(a2a, case, routing)
 
 
 PADDED_CASES = [(EP8_DP2, "skewed", 0.5, True), (EP4_FP8, "duplicates", 4, False)]
@@ -276,22 +284,7 @@ def test_padded_rules_with_an_expert_capacity_match_plain_autodiff_and_oracle(ca
     assert (plan.combine_grad is plan.dispatch_grad) == (cfg.dp_size == 1 and factor is None)
     assert plan.combine_grad.expert_capacity == plan.combine_grad.cfg.max_recv_tokens
     assert plan.dispatch_grad.expert_capacity == P_
-    mesh = T.make_mesh(case.ep)
-    inp, G = T.make_inputs(cfg, 8, routing), T.loss_cotangent(cfg, 8)
-    expect = inp
-    if T.can_drop(a2a):
-        keys = np.asarray(T.make_step(a2a, mesh, dropped=True)(*T.global_inputs(
-            cfg, mesh, inp))[4])
-        assert (keys >= 0).any(), "no row was dropped: make the capacity smaller"
-        expect = T.without_slots(cfg, inp, keys)
-    T.check_grads_against_oracle(a2a, mesh, inp, G, expect=expect, split=split)
-    args = T.grad_inputs(cfg, mesh, inp, G)
-    rules, plain = (T.make_grad_step(a2a, mesh, split, plain=p)(*args) for p in (False, True))
-    for name, got, want in zip(("d x", "d weights", "y"), rules, plain):
-        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-        assert np.isfinite(got).all(), name
-        scale = max(1.0, float(np.abs(want).max()))
-        np.testing.assert_allclose(got, want, atol=1e-2 * scale, err_msg=name)
+    _rules_with_drops_match_oracle_and_plain_autodiff(a2a, case, routing, split)
 
 
 @pytest.mark.parametrize("case", [EP8_DP2, EP4_FP8], ids=lambda c: c.name)
