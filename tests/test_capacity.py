@@ -269,6 +269,21 @@ def test_the_worst_case_capacity_drops_nothing_and_padded_reports_zero():
 
 
 # -- fail ------------------------------------------------------------------------------------
+def _kept_until_recover_then_one_token_per_rank_is_right(a2a, cfg, mesh, step):
+    """After a CapacityExceeded cycle: check() raises again until recover(), then the same
+    compiled step is right on a cycle that fits (one token per rank) and drops nothing."""
+    with pytest.raises(CapacityExceededError):  # kept until recover()
+        a2a.check()
+    a2a.recover()
+    a2a.check()
+    assert a2a.dropped_rows() == 0
+    fits = T.make_inputs(cfg, 5, ragged=False)
+    fits.num_tokens[:] = 1
+    T.run_and_check(a2a, mesh, fits, step=step)
+    a2a.check()
+    assert a2a.dropped_rows() == 0
+
+
 def test_overflow_fail_raises_until_recover_and_the_next_cycle_is_right():
     cfg = _cfg(*CASES["EP8-k4-bf16"])
     C = _small_capacity(cfg)
@@ -289,17 +304,9 @@ def test_overflow_fail_raises_until_recover_and_the_next_cycle_is_right():
     want = sum(sum(c.values()) for c in T.expected_rows(cfg, inp, rank).values())
     assert arrived == want == C + past, (msg, want)
     assert "max_recv_rows" in msg and "overflow='drop'" in msg
-    with pytest.raises(CapacityExceededError):  # kept until recover()
-        a2a.check()
-    a2a.recover()
-    a2a.check()
-    assert a2a.dropped_rows() == 0
-    fits = T.make_inputs(cfg, 5, ragged=False)
-    fits.num_tokens[:] = 1  # at most 8 * 2 rows per rank: fits in C
+    # one token per rank: at most 8 * min(k, L) rows per rank fit in C
     assert 8 * min(cfg.experts_per_token, cfg.num_local_experts) <= C
-    T.run_and_check(a2a, mesh, fits, step=step)
-    a2a.check()
-    assert a2a.dropped_rows() == 0
+    _kept_until_recover_then_one_token_per_rank_is_right(a2a, cfg, mesh, step)
 
 
 def test_padded_overflow_fail_raises_until_recover_and_the_next_cycle_is_right():
@@ -321,17 +328,8 @@ def test_padded_overflow_fail_raises_until_recover_and_the_next_cycle_is_right()
     want = sum(max(0, sum(c.values()) - P_) for c in T.expected_rows(cfg, inp, rank).values())
     assert past == want > 0, (msg, want)
     assert "expert_capacity" in msg and "rows_per_expert_for" in msg and "overflow='drop'" in msg
-    with pytest.raises(CapacityExceededError):  # kept until recover()
-        a2a.check()
-    a2a.recover()
-    a2a.check()
-    assert a2a.dropped_rows() == 0
-    fits = T.make_inputs(cfg, 5, ragged=False)
-    fits.num_tokens[:] = 1  # at most 8 rows per expert: fits in P
-    assert 8 <= P_
-    T.run_and_check(a2a, mesh, fits, step=step)
-    a2a.check()
-    assert a2a.dropped_rows() == 0
+    assert 8 <= P_  # one token per rank: at most 8 rows per expert fit in P
+    _kept_until_recover_then_one_token_per_rank_is_right(a2a, cfg, mesh, step)
 
 
 # -- several cycles in one jitted loop ------------------------------------------------------------
