@@ -956,12 +956,18 @@ def markdown(meta, rows):
             f"{fmt(r.get('step_us'))} | {mib(pb.get('temp'))} | {mib(pb.get('peak'))} | "
             f"{r.get('impl', '')} | {r.get('err', '')} | {r.get('dropped_rows', '')} | "
             f"{status.replace('|', '/')[:300]} |")
-    out += ["", "## Goals", ""] + goals(rows)
+    out += ["", "## Goals", ""] + goals(rows, meta.get("tol", 5e-2))
     return "\n".join(out) + "\n"
 
 
-def goals(rows):
-    """The issue's checks, one line each."""
+def _goal_row(r) -> str:
+    cf = f" cf {r['capacity_factor']}" if r["capacity_factor"] else ""
+    return (f"{r['layout']}/{r['expert_gemm']}{cf} {r['loop_us']:.1f} µs = {r['ratio']:.2f} x "
+            f"floor {r['floor_us']:.1f} µs ({'ok' if r['ok'] else 'over 1.5x'})")
+
+
+def goals(rows, tol: float = 5e-2):
+    """The issue's checks, one line each (tol: --tol, a row's err against the no-drop layer)."""
     ok_rows = [r for r in rows if r["status"] == "ok" and r["kind"] == "layer" and not r["skew"]]
     out = []
     for (c, t) in sorted({(r["config"], r["tokens_per_rank"]) for r in ok_rows},
@@ -970,24 +976,31 @@ def goals(rows):
                 r.get("ratio") is not None]
         if not here:
             continue
-        best = min(here, key=lambda r: r["ratio"])
+        # a capacity row that drops slots answers a different layer: it is "best" only when
+        # its output still matches the no-drop layer (err within tol)
+        right = [r for r in here if (r.get("err") or 0.0) <= tol] or here
+        best = min(right, key=lambda r: r["ratio"])
+        whole = [r for r in right if not r["capacity_factor"]]
+        best_whole = min(whole, key=lambda r: r["ratio"]) if whole else best
         today = {r["layout"]: r for r in here if r["expert_gemm_resolved"] == "einsum"
                  and not r["capacity_factor"]}
-        cf = f" cf {best['capacity_factor']}" if best["capacity_factor"] else ""
-        out.append(f"- {c} {t} tokens: best {best['layout']}/{best['expert_gemm']}{cf} "
-                   f"{best['loop_us']:.1f} µs = {best['ratio']:.2f} x floor "
-                   f"{best['floor_us']:.1f} µs ({'ok' if best['ok'] else 'over 1.5x'}); today "
+        out.append(f"- {c} {t} tokens: best {_goal_row(best)}"
+                   + ("" if best_whole is best else f"; without a capacity {_goal_row(best_whole)}")
+                   + "; today "
                    + ", ".join(f"{lay} {r['ratio']:.2f}x" for lay, r in sorted(today.items())))
     for c in sorted({r["config"] for r in rows}):
-        pk = {r["layout"]: (r.get("peak_bytes") or {}) for r in rows
-              if r["config"] == c and r["tokens_per_rank"] == 128 and r["kind"] == "layer"
-              and not r["skew"] and r["expert_gemm_resolved"] == "einsum"
-              and not r["capacity_factor"]}
-        if "padded" in pk and "packed" in pk and pk["padded"].get("peak") and \
-                pk["packed"].get("peak"):
-            a, b = pk["packed"], pk["padded"]
-            out.append(f"- {c} 128 tokens, XLA memory of the step per rank, packed / padded "
-                       f"(today's einsum): peak {a['peak'] / b['peak']:.2f} "
+        at128 = [r for r in rows if r["config"] == c and r["tokens_per_rank"] == 128
+                 and r["kind"] == "layer" and not r["skew"] and not r["capacity_factor"]
+                 and (r.get("peak_bytes") or {}).get("peak")]
+        padded = [r for r in at128 if r["layout"] == "padded"
+                  and r["expert_gemm_resolved"] == "einsum"]
+        packed = [r for r in at128 if r["layout"] == "packed"]
+        if padded and packed:  # packed: its leanest option (the default where tokamax runs)
+            lean = min(packed, key=lambda r: r["peak_bytes"]["peak"])
+            a, b = lean["peak_bytes"], padded[0]["peak_bytes"]
+            out.append(f"- {c} 128 tokens, XLA memory of the step per rank, packed "
+                       f"{lean['expert_gemm']} / padded einsum (today's): "
+                       f"peak {a['peak'] / b['peak']:.2f} "
                        f"({mib(a['peak'])} / {mib(b['peak'])} MiB), temp "
                        f"{(a.get('temp') or 0) / max(b.get('temp') or 1, 1):.2f} "
                        f"({mib(a.get('temp'))} / {mib(b.get('temp'))} MiB); goal <= 1/3")
