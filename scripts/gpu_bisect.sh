@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Per-cycle cost of several builds of ours in one device call, to find the commit that made a
+# row slower (issue 23: main at f97726a is 5-6 µs slower per cycle at 1 token than 505b95c).
+# Each commit is a `git archive` unpacked in .old/<commit> (ignored, carried), built into its
+# own site directory, and timed by its own bench_loop.py (K cycles in one recorded graph, CUDA
+# events, slope; 8 ranks under MPS); the table follows, one column per commit.
+#   for c in 505b95c 5228dcc f97726a; do mkdir -p .old/$c && git archive $c | tar x -C .old/$c; done
+#   COMMITS="505b95c 5228dcc f97726a" TOKENS=1,16 bash scripts/gpu_bisect.sh
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu_logs}; mkdir -p "$OUT"
+W=/tmp/bisect; mkdir -p "$W"
+PY=${PYTHON:-python3}
+ROOT=$PWD
+export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0
+for c in ${COMMITS:?set COMMITS (each unpacked in .old/<commit>)}; do
+  [ -d "$ROOT/.old/$c" ] || { echo "-- $c: no .old/$c"; continue; }
+  SRC="$ROOT/.old/$c" TARGET="/tmp/site_$c" BUILD_DIR="/tmp/jmc_$c" LOG="$W/build_$c.log" \
+    bash "$ROOT/scripts/gpu_build.sh" || { echo "-- $c: build failed"; continue; }
+  (cd /tmp && PYTHONPATH="/tmp/site_$c" GIT_COMMIT=$c timeout ${LIMIT:-120} $PY -m jax_moe_comm.launch \
+    -n 8 --oversubscribe --timeout $(( ${LIMIT:-120} - 10 )) -- $PY "$ROOT/.old/$c/benchmarks/bench_loop.py" \
+    --tokens "${TOKENS:-1,16}" --ks "${KS:-1,10,50}" --calls 0 --timeline 0 --variants graph \
+    --out "$W/loop_$c.json" > "$W/loop_$c.log" 2>&1)
+  echo "-- $c rc=$? $(grep -c 'us/cycle' "$W/loop_$c.log") rows"
+done
+$PY - "$W" ${COMMITS} <<'EOF' | tee "$OUT/bisect.md"
+import json, os, sys
+w, commits = sys.argv[1], sys.argv[2:]
+runs = {}
+for c in commits:
+    p = os.path.join(w, f"loop_{c}.json")
+    if os.path.exists(p):
+        rows = json.load(open(p))["rows"]
+        runs[c] = {(r["config"], r["tokens_per_rank"]): r["fit_event_b_us"] for r in rows
+                   if r.get("variant") == "graph" and r.get("fit_event_b_us") is not None}
+keys = sorted({k for v in runs.values() for k in v})
+print("| config | tokens | " + " | ".join(runs) + " |")
+print("|---|---|" + "---|" * len(runs))
+for k in keys:
+    print(f"| {k[0]} | {k[1]} | " + " | ".join(
+        f"{runs[c][k]:.1f}" if k in runs[c] else "" for c in runs) + " |")
+EOF
+cp "$W"/loop_*.json "$OUT/" 2>/dev/null
+cat "$W"/loop_*.log > "$OUT/bisect_logs.txt" 2>/dev/null
