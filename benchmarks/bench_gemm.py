@@ -95,6 +95,9 @@ def parse(argv):
     p.add_argument("--tokens", help="tokens per rank, default: 1,16,128")
     p.add_argument("--options", default=",".join(OPTIONS[:5]),
                    help=f"any of {', '.join(OPTIONS)}, or tokamax[_<implementation>][_unfused]")
+    p.add_argument("--packed-rows-factor", type=float, default=0.0,
+                   help="packed buffer rows = this x the live rows (0: dispatch's worst case): "
+                   "what a capacity does to the grouped GEMMs' time at the same live rows")
     p.add_argument("--runs", type=int, default=20, help="timed calls per measurement (>= 20)")
     p.add_argument("--target-ms", type=float, default=3.0, help="device time of one call")
     p.add_argument("--tol", type=float, default=2e-2, help="max relative error vs einsum")
@@ -128,13 +131,15 @@ T0 = time.perf_counter()
 class Case:
     """One rank's dispatch output at (config, tokens), built on the device."""
 
-    def __init__(self, name, tokens, seed=0):
+    def __init__(self, name, tokens, seed=0, rows_factor=0.0):
         E, k, H, F = (CONFIGS | SMOKE_CONFIGS)[name]
         self.name, self.tokens, self.H, self.F = name, tokens, H, F
         self.L = L = E // RANKS
         self.R = R = RANKS * tokens  # max_recv: every rank's every token, per expert
-        self.T = R * min(k, L)  # max_recv_total, the packed rows
         self.live = tokens * k
+        self.T = R * min(k, L)  # max_recv_total, the packed rows
+        if rows_factor:  # a packed capacity: rows_factor x the live rows (a multiple of 8)
+            self.T = min(self.T, max(self.live, -(-int(rows_factor * self.live) // 8) * 8))
         rng = np.random.default_rng(seed)
         counts = rng.multinomial(self.live, np.full(L, 1.0 / L))
         assert counts.max() <= R
@@ -463,6 +468,7 @@ def device_meta():
                 tokamax=getattr(tk, "__version__", None), tokamax_problem=why,
                 tokamax_implementations=tokamax_implementations(),
                 masked_inner=G.masked_inner(), gpu_auto=G.GPU_AUTO, runs=ARGS.runs,
+                packed_rows_factor=ARGS.packed_rows_factor,
                 target_ms=ARGS.target_ms, tol=ARGS.tol, hbm_bps=HBM_BPS,
                 peak_flops=PEAK_FLOPS, ranks=RANKS)
 
@@ -476,7 +482,9 @@ def markdown(meta, rows):
            f"jax {meta['jax']}, tokamax {meta['tokamax'] or '-'}"
            f"{' (' + meta['tokamax_problem'] + ')' if meta['tokamax_problem'] else ''}; "
            f"median of {meta['runs']} calls; floor = max(weights once / 4.0e12 B/s, "
-           "FLOPs / 700e12).", "",
+           "FLOPs / 700e12); packed rows "
+           + (f"{meta['packed_rows_factor']} x the live rows" if meta.get("packed_rows_factor")
+              else "dispatch's worst case") + ".", "",
            "| config | tokens | live rows | rows per expert min-max (empty) | option | impl | "
            "fwd µs | fwd+bwd µs | floor µs | floor fwd+bwd µs | rel err | y | y (fwd+bwd) | "
            "d x | d w_in | d w_out | bad rows y / d x | bad experts y [e, rows, bad, first] | "
@@ -513,7 +521,7 @@ def main():
     for name in ARGS.configs.split(","):
         for tokens in (int(t) for t in ARGS.tokens.split(",")):
             try:
-                case = Case(name, tokens)
+                case = Case(name, tokens, rows_factor=ARGS.packed_rows_factor)
             except Exception as e:  # noqa: BLE001
                 rows += [dict(config=name, tokens=tokens, option=o, error=short(e), impl="",
                               fwd_us=None, fwd_bwd_us=None, floor_us=None, err=None,
