@@ -220,7 +220,8 @@ def summarize(case: Case, everyone: list[dict], args) -> list[dict]:
             rows.append(dict(base, variant=variant, K=args.calls,
                              host_us_per_call=max(p[name]["host_us"] for p in everyone),
                              per_cycle_event_us=max(p[name]["gpu_us"] for p in everyone),
-                             handler_runs_per_call=max(p[name].get("handler_runs", 0)
+                             # 2 per call: recorded again each call, or command buffers off
+                             handler_runs_per_call=max(p[name]["handler_runs"]
                                                        for p in everyone),
                              fit_event_b_us=None))
     if args.timeline:
