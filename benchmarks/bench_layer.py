@@ -120,7 +120,8 @@ def parse(argv=None):
     p.add_argument("--capacity-tokens", default="128,4096")
     p.add_argument("--capacity-configs", default="R1")
     p.add_argument("--capacity-gemm", default="tokamax",
-                   help="option of the packed capacity rows")
+                   help="options of the packed capacity rows, comma-separated (the skew and "
+                   "fail rows run the first)")
     p.add_argument("--padded-capacity-tokens", default="auto",
                    help="tokens per rank of the padded capacity rows (auto: --capacity-tokens "
                         "and the prefill sizes of --tokens; '': none)")
@@ -384,7 +385,9 @@ def plan(args) -> list[Case]:
     else:
         padded_tokens = [int(t) for t in args.padded_capacity_tokens.split(",") if t]
     pg = args.padded_capacity_gemm
-    check_gemm(args.capacity_gemm)
+    cap_gemms = [g for g in args.capacity_gemm.split(",") if g]
+    for g in cap_gemms:
+        check_gemm(g)
     check_gemm(pg)
     if args.capacity_factor > 0 or args.skew > 0:
         cf = args.capacity_factor
@@ -396,12 +399,11 @@ def plan(args) -> list[Case]:
                           if t <= DECODE_MAX_TOKENS]
             for t in cap_tokens:
                 if cf > 0:
-                    cases.append(Case(c, t, "packed", args.capacity_gemm, cf, "drop"))
+                    cases += [Case(c, t, "packed", g, cf, "drop") for g in cap_gemms]
                 if args.skew > 0:
-                    cases.append(Case(c, t, "packed", args.capacity_gemm, cf, "drop",
-                                      args.skew))
+                    cases.append(Case(c, t, "packed", cap_gemms[0], cf, "drop", args.skew))
                     if cf > 0:
-                        cases.append(Case(c, t, "packed", args.capacity_gemm, cf, "fail",
+                        cases.append(Case(c, t, "packed", cap_gemms[0], cf, "fail",
                                           args.skew, kind="fail_check"))
             if cf > 0:
                 cases += [Case(c, t, "padded", pg, cf, "drop") for t in padded_tokens

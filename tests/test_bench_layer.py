@@ -309,3 +309,14 @@ def test_gemm_smoke_diagnoses_a_wrong_kernel(tmp_path, fake_site):
     assert "worst:" in bad["error"]
     assert "Unknown implementation" in rows["tokamax_triton"]["error"]
     assert "| y | y (fwd+bwd) | d x | d w_in | d w_out |" in (out / "gemm.md").read_text()
+
+
+def test_capacity_gemm_list_gives_a_capacity_row_per_option(tmp_path, fake_site):
+    """--capacity-gemm a,b: one packed capacity row per option (each spec its own row); the
+    skew and fail rows run the first option only."""
+    rows = _plan(fake_site, tmp_path, "--tokens", "", "--capacity-configs", "V2Lite",
+                 "--capacity-tokens", "128", "--padded-capacity-tokens=",
+                 "--capacity-gemm", "tokamax@m128,tokamax")
+    packed = [(r["gemm"], r["skew"], r["kind"]) for r in rows if r["layout"] == "packed"]
+    assert packed == [("tokamax@m128", 0.0, "layer"), ("tokamax", 0.0, "layer"),
+                      ("tokamax@m128", 0.9, "layer"), ("tokamax@m128", 0.9, "fail_check")]
