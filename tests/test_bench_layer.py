@@ -202,6 +202,10 @@ def test_layer_smoke(tmp_path, fake_site, monkeypatch):
         assert pb["peak"] == pb["argument"] + pb["output"] + pb["temp"] - pb["alias"] > 0
         assert r["finite"] is True and r["correct"] is True and r["err"] <= 0.05, r
     assert plain[0]["err"] == 0.0  # the reference itself
+    # comm is timed again for every row; comm_first_us is its handle's first row's figure
+    assert plain[1]["comm_first_us"] == plain[1]["comm_us"]
+    assert plain[2]["comm_first_us"] == plain[3]["comm_first_us"] == plain[1]["comm_us"]
+    assert plain[0]["comm_first_us"] == plain[0]["comm_us"]
     assert run_["capacity_support"] is True and run_["expert_capacity_support"] is True
     skew = rows[("packed", "tokamax", 1.25, 0.9, "layer")]
     fail = rows[("packed", "tokamax", 1.25, 0.9, "fail_check")]
