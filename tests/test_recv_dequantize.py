@@ -110,15 +110,25 @@ def test_recv_dequantize_asks_the_backend_and_changes_no_value(monkeypatch, layo
         np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
-def test_recv_dequantize_is_the_default(monkeypatch):
-    """Unset, a backend that can dequantize on receive is asked to (the H200 run checked it bit
-    for bit); 0 turns it off; a backend that cannot is never asked."""
+def test_recv_dequantize_default_is_on_for_inference_handles(monkeypatch):
+    """Unset: an inference handle on a backend that can dequantize on receive asks it to (the
+    H200 run checked that path bit for bit), a differentiable one does not (its gradient suite
+    has not run with it yet); 1 and 0 set it for both; a backend that cannot is never asked."""
     monkeypatch.delenv(autodiff.RECV_DEQUANTIZE_ENV, raising=False)
     can = type("Can", (), {"dequantizes_on_recv": True})()
     assert autodiff.recv_dequantizes(can) is True
+    assert autodiff.recv_dequantizes(can, differentiable=True) is False
+    assert autodiff.recv_dequantizes(object()) is False
+    monkeypatch.setenv(autodiff.RECV_DEQUANTIZE_ENV, "1")
+    assert autodiff.recv_dequantizes(can, differentiable=True) is True
     assert autodiff.recv_dequantizes(object()) is False
     monkeypatch.setenv(autodiff.RECV_DEQUANTIZE_ENV, "0")
     assert autodiff.recv_dequantizes(can) is False
+    # the handle's own: a differentiable handle made with the variable unset does not ask
+    monkeypatch.delenv(autodiff.RECV_DEQUANTIZE_ENV)
+    cfg = EP4_FP8.cfg()
+    assert recv_dequantizing_all_to_all(cfg)._plan.recv_dequantize is True
+    assert recv_dequantizing_all_to_all(cfg, differentiable=True)._plan.recv_dequantize is False
 
 
 def test_recv_dequantize_keeps_differentiable_padding_zero(monkeypatch):
