@@ -265,7 +265,10 @@ def recv_dequantizes(backend, differentiable: bool = False) -> bool:
     if not getattr(type(backend), "dequantizes_on_recv", False):
         return False
     setting = os.environ.get(RECV_DEQUANTIZE_ENV, "")
-    if setting in ("0", "1"):
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"{RECV_DEQUANTIZE_ENV}={setting!r}: use 1 (every handle), 0 (none) "
+                         "or leave it unset (inference handles only)")
+    if setting:
         return setting == "1"
     return not differentiable
 

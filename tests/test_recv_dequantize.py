@@ -1,4 +1,4 @@
-"""Dequantize on receive (JMC_RECV_DEQUANTIZE, on unless 0; issue 24), on 8 emulated CPU devices: the
+"""Dequantize on receive (JMC_RECV_DEQUANTIZE, issue 24), on 8 emulated CPU devices: the
 wiring around the nvshmem receive kernel that writes an fp8 handle's rows as bf16, run on a
 stand-in backend (the reference backend wrapped to do what the kernel does). The kernel itself
 is checked bit for bit against XLA's pass on the GPU (tests/gpu_layout_worker.py)."""
@@ -124,6 +124,9 @@ def test_recv_dequantize_default_is_on_for_inference_handles(monkeypatch):
     assert autodiff.recv_dequantizes(object()) is False
     monkeypatch.setenv(autodiff.RECV_DEQUANTIZE_ENV, "0")
     assert autodiff.recv_dequantizes(can) is False
+    monkeypatch.setenv(autodiff.RECV_DEQUANTIZE_ENV, "yes")
+    with pytest.raises(ValueError, match="JMC_RECV_DEQUANTIZE='yes'"):
+        autodiff.recv_dequantizes(can)
     # the handle's own: a differentiable handle made with the variable unset does not ask
     monkeypatch.delenv(autodiff.RECV_DEQUANTIZE_ENV)
     cfg = EP4_FP8.cfg()
