@@ -246,8 +246,9 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
   }
   if (threadIdx.x == 0) {
     p.dropped_rows[0] = healthy ? static_cast<int32_t>(dropped) : 0;
-    // The only writer (launches on a handle are serialized); device memory, no round trip.
-    if (healthy) c.scratch.state->dropped_rows += dropped;
+    // The only writer (launches on a handle are serialized). Only when something dropped:
+    // the read-modify-write is a dependent load ahead of the acknowledgements below.
+    if (healthy && dropped != 0) c.scratch.state->dropped_rows += dropped;
   }
   if (healthy) {
     for (int g = threadIdx.x; g < G; g += blockDim.x)
