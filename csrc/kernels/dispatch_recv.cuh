@@ -98,10 +98,15 @@ __device__ __forceinline__ void count_expert_rows(const DispatchRecvParams& p,
   __syncthreads();
 }
 
+template <bool kGeneral>  // false: padded at the worst case, direct (kernels.h, general_path)
 __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) {
   const CommonParams& c = p.c;
   const Shape& s = c.shape;
   const SymmetricLayout& sym = c.sym;
+  // Re-read from the parameters at each use, as before: kept in registers across the
+  // body they made the general instantiation spill.
+  auto packed = [&] { return kGeneral && s.packed(); };
+  auto can_drop = [&] { return kGeneral && s.can_drop(); };
   const Warps w;
   stamp_start(c, kDispatchRecvKernel);
   const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
@@ -147,7 +152,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
   const uint32_t total = ok ? first_record[G] : 0;
   // Packed: where each local expert's rows start; padded with a capacity: where its dropped
   // rows' sources start past the L * P rows (after first_record in dynamic shared memory).
-  const bool counted = s.packed() || s.can_drop();
+  const bool counted = packed() || can_drop();
   uint32_t* expert_first = counted ? first_record + G + 1 : nullptr;
   if (counted) count_expert_rows(p, first_record, total, expert_first);
   const int capacity = static_cast<int>(s.output_rows()), P = s.padded_stride();
@@ -189,7 +194,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
       // capacity expert_first is not there to index.)
       const bool bad_row = row >= R;
       const int at = row < 0 || bad_row ? -1
-                     : s.packed()       ? static_cast<int>(expert_first[e]) + row
+                     : packed()           ? static_cast<int>(expert_first[e]) + row
                      : row < P          ? e * P + row
                                         : capacity + static_cast<int>(expert_first[e]) + row - P;
       if (bad_row || at >= sources) {
@@ -222,10 +227,10 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
   // Rows that arrived past the capacity (0 when it is the worst case).
   const int counted_rows = counted && ok ? static_cast<int>(expert_first[L]) : 0;
   const uint32_t dropped = static_cast<uint32_t>(
-      s.packed() ? max(0, counted_rows - capacity) : counted_rows);
+      packed() ? max(0, counted_rows - capacity) : counted_rows);
   if (dropped > 0 && !s.drop_overflow) {
     if (threadIdx.x == 0 && healthy) {
-      if (s.packed()) {
+      if (packed()) {
         fail(c, kCapacityExceeded, kPhaseDispatchRecv, -1, -1, capacity, counted_rows,
              kWhatRow);
       } else {
@@ -238,7 +243,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
     const uint32_t filled = min(one_block ? fill[e] : atomicExch(&fill[e], 0u), uint32_t(R));
     // Only the rows below the capacity are in expert_x.
     const uint32_t below_capacity =
-        s.packed() ? static_cast<uint32_t>(max(0, min(static_cast<int>(filled),
+        packed() ? static_cast<uint32_t>(max(0, min(static_cast<int>(filled),
                                                        capacity - static_cast<int>(
                                                                       expert_first[e]))))
                    : min(filled, static_cast<uint32_t>(P));

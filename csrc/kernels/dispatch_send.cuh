@@ -59,6 +59,7 @@ __device__ __forceinline__ void write_record(const DispatchSendParams& p, uint8_
                      p.x_scale + static_cast<size_t>(t) * s.num_scales, s.num_scales, lane);
 }
 
+template <bool kGeneral>  // false: a direct handle (kernels.h, general_path)
 __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) {
   const CommonParams& c = p.c;
   const Shape& s = c.shape;
@@ -140,7 +141,8 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) 
   // a block-wide put that only some threads enter traps (an illegal instruction, seen under
   // compute-sanitizer when a bad expert index poisoned the handle mid-launch).
   const bool publish_all = __syncthreads_and(publish);
-  if (publish_all && sym.staged()) {  // each staged destination's records: one put, whole block
+  // Each staged destination's records: one put, whole block.
+  if (kGeneral && publish_all && sym.staged()) {
     for (int g = 0; g < G; ++g) {
       const int dst = g * dp + my_member;
       const uint32_t count = send_count[g];  // every block's slots are in (is_last_block)
