@@ -187,7 +187,7 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
     const int32_t* ids = p.indices + static_cast<size_t>(t) * k;
     const float* wt = p.weights + static_cast<size_t>(t) * k;
     auto valid = [&](int j) { return ids[j] >= 0 && ids[j] < s.num_experts; };
-    // Where slot j's row is: in combine_in when its sender is staged(), else in combine_rows.
+    // Where slot j's row is: in combine_in when its sender is staged, else in combine_rows.
     auto row_of = [&](int j) -> const uint8_t* {
       if (staged() && peer_ptr(c, sym.abort_word, ids[j] / L) == nullptr)
         return sym.in_entry(ids[j] / L, static_cast<uint32_t>(slot_map[t * k + j] - map_base)) +

@@ -112,7 +112,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
       if (e < L) first_row[e + 1] = before + n;
       before += __shfl_sync(0xffffffffu, n, kWarpSize - 1);
     }
-    // Rows drop only under a capacity; packed(), only past a full expert_y (the counts fill C);
+    // Rows drop only under a capacity; packed, only past a full expert_y (the counts fill C);
     // kept and dropped rows are at most the rows that can arrive (the staging rows' bound).
     const int most_dropped = s.max_recv_rows() - (packed() ? capacity : before);
     const bool bad_drop = dropped != 0 &&
@@ -130,7 +130,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
   const int live = ok ? max(first_row[L], 0) : 0;
   const int rows = live + (ok && first_row[L] >= 0 ? num_dropped : 0);
   for (int i = w.warp; i < rows; i += w.total) {
-    // A dropped row's source: after the output rows (packed(): at i itself, live == C then).
+    // A dropped row's source: after the output rows (packed: at i itself, live == C then).
     int at = i < live ? i : capacity + (i - live);
     if (!packed() && i < live) {
       int e = 0;  // largest e with first_row[e] <= i
@@ -166,7 +166,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
         if (w.lane == 0) st_release_sys_u64(peer_ptr(c, flag, home), epoch);
         continue;
       }
-      // Staged home: packed() behind its other rows, sent with them in one put (step 3).
+      // Staged home: packed behind its other rows, sent with them in one put (step 3).
       int n = 0;
       if (w.lane == 0) n = static_cast<int>(atomicAdd(&home_fill[home], 1u));
       n = __shfl_sync(0xffffffffu, n, 0);
@@ -190,7 +190,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
     if (!sent) break;
   }
 
-  // Step 3: the last block sends each staged() home its packed() rows in ONE block-wide put, then
+  // Step 3: the last block sends each staged home its packed rows in ONE block-wide put, then
   // the count behind a fence (set_flag), and closes the launch. The verdict is the whole
   // block's (a block put entered by some threads only traps; see dispatch_send), and it reads
   // the abort word after the ticket, whose fences make every block's fail() visible (a rank

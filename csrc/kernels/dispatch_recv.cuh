@@ -194,7 +194,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
       // capacity expert_first is not there to index.)
       const bool bad_row = row >= R;
       const int at = row < 0 || bad_row ? -1
-                     : packed()           ? static_cast<int>(expert_first[e]) + row
+                     : packed()         ? static_cast<int>(expert_first[e]) + row
                      : row < P          ? e * P + row
                                         : capacity + static_cast<int>(expert_first[e]) + row - P;
       if (bad_row || at >= sources) {
