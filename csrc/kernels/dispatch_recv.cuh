@@ -173,7 +173,12 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
     const uint8_t* rec = sym.recv_record(g, slot);
     const int32_t* header = reinterpret_cast<const int32_t*>(rec);
     const float* header_weights = reinterpret_cast<const float*>(header + 1 + k);
+    // The token and this lane's slot (expert, weight) in one round trip: the slots were
+    // loaded only after the token's check, and the weight after the copies. (The scales
+    // loaded here too made the split kernel spill 24 B more.)
     const int t = header[0];
+    const int id0 = w.lane < k ? header[1 + w.lane] : -1;
+    const float weight0 = w.lane < k ? header_weights[w.lane] : 0.0f;
     if (t < 0 || t >= s.max_num_tokens) {
       if (w.lane == 0)
         fail(c, kCorruptData, kPhaseDispatchRecv, sender, t, s.max_num_tokens, t, kWhatRecord);
@@ -184,7 +189,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
     // each); then the warp copies the payload into each row.
     for (int j0 = 0; j0 < k; j0 += kWarpSize) {
       const int j = j0 + w.lane;
-      const int e = j < k ? header[1 + j] - first_expert : -1;
+      const int e = j < k ? (j0 == 0 ? id0 : header[1 + j]) - first_expert : -1;
       int row = -1;
       if (e >= 0 && e < L) row = static_cast<int>(atomicAdd(&fill[e], 1u));
       // Packed: after the rows of the experts before e; padded: row r of expert e, or past
@@ -213,7 +218,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
                              reinterpret_cast<const float*>(rec + sym.record.header_bytes +
                                                             sym.record.payload_bytes),
                              s.num_scales, w.lane);
-          if (w.lane == from) p.expert_weights[out_row] = header_weights[j];
+          if (w.lane == from) p.expert_weights[out_row] = j0 == 0 ? weight0 : header_weights[j];
         }
         if (w.lane == from) p.row_source[out_row] = pack_source(g, t, j, s.max_num_tokens, k);
       }
