@@ -19,7 +19,8 @@ pplx-kernels, so the two columns compare (DESIGN section 8, "One clock for both"
   cycle, a: the fixed cost of the interval);
 - `per-call`: the host's cost of a jitted single-cycle call: --calls calls enqueued back to back
   between two event calls; host us per call (enqueue rate) and GPU us per cycle, beside a
-  trivial jitted call's host cost measured in the same process;
+  trivial jitted call's host cost measured in the same process; `per-call-donated` the same
+  with the previous call's output donated as the next one's (stable buffer addresses);
 - a timeline of one cycle in the recorded `graph+barrier` loop from the kernels' own stamps
   (benchmarks/timeline.py; breakdown only, never the headline).
 Correctness is checked before (testing.run_and_check) and after the timed loops.
@@ -140,27 +141,35 @@ def time_case(case: Case, mesh, args) -> dict:
                       f"{text.count('command_buffer')} command-buffer mentions", flush=True)
             mine["runs"][f"{variant}:{K}"] = timed(fn)
 
-    # The host's cost of one jitted cycle per call, enqueued back to back.
+    # The host's cost of one jitted cycle per call, enqueued back to back: each call's output
+    # fresh (XLA keys a command-buffer recording by buffer addresses: new ones re-record, our
+    # handlers run again), and the previous output donated back as the buffer of the next
+    # (what a server loop can do; docs/notes.md, "Command buffers").
     if args.calls:
         single = jax.jit(jax.shard_map(lambda *a: cycle(*a[:4], a[4].reshape(()), a[5]),
                                        mesh=mesh, in_specs=(spec,) * 6, out_specs=spec))
+        donating = jax.jit(jax.shard_map(lambda *a: cycle(*a[:4], a[4].reshape(()), a[5]),
+                                         mesh=mesh, in_specs=(spec,) * 7, out_specs=spec),
+                           donate_argnums=(6,))
         marks = [jax.jit(jax.shard_map(lambda v, s=s: record_event(v, s), mesh=mesh,
                                        in_specs=spec, out_specs=spec)) for s in (2, 3)]
         for f in marks:
             jax.block_until_ready(f(nt))
-        jax.block_until_ready(single(*operands))
-        host, gpu = [], []
-        for _ in range(args.reps):
-            mod.barrier_all()
-            marks[0](nt)
-            t0 = time.perf_counter()
-            for _ in range(args.calls):
-                y = single(*operands)
-            host.append((time.perf_counter() - t0) / args.calls * 1e6)
-            jax.block_until_ready(marks[1](nt))
-            jax.block_until_ready(y)
-            gpu.append(event_elapsed_us(2, 3) / args.calls)
-        mine["per_call"] = {"host_us": statistics.median(host), "gpu_us": statistics.median(gpu)}
+        y = jax.block_until_ready(single(*operands))
+        y = jax.block_until_ready(donating(*operands, y))
+        for name in ("per_call", "per_call_donated"):
+            host, gpu = [], []
+            for _ in range(args.reps):
+                mod.barrier_all()
+                marks[0](nt)
+                t0 = time.perf_counter()
+                for _ in range(args.calls):
+                    y = single(*operands) if name == "per_call" else donating(*operands, y)
+                host.append((time.perf_counter() - t0) / args.calls * 1e6)
+                jax.block_until_ready(marks[1](nt))
+                jax.block_until_ready(y)
+                gpu.append(event_elapsed_us(2, 3) / args.calls)
+            mine[name] = {"host_us": statistics.median(host), "gpu_us": statistics.median(gpu)}
 
     # Breakdown: the kernels' stamps in a recorded graph+barrier loop (timing is read when a
     # launch is recorded, so a new jit after set_timing).
@@ -200,10 +209,11 @@ def summarize(case: Case, everyone: list[dict], args) -> list[dict]:
             rows.append(dict(base, variant=variant, **got[K], fit_event_a_us=a,
                              fit_event_b_us=b))
     if args.calls:
-        rows.append(dict(base, variant="per-call", K=args.calls,
-                         host_us_per_call=max(p["per_call"]["host_us"] for p in everyone),
-                         per_cycle_event_us=max(p["per_call"]["gpu_us"] for p in everyone),
-                         fit_event_b_us=None))
+        for name, variant in (("per_call", "per-call"), ("per_call_donated", "per-call-donated")):
+            rows.append(dict(base, variant=variant, K=args.calls,
+                             host_us_per_call=max(p[name]["host_us"] for p in everyone),
+                             per_cycle_event_us=max(p[name]["gpu_us"] for p in everyone),
+                             fit_event_b_us=None))
     if args.timeline:
         rows.append(dict(base, variant="timeline", K=args.timeline,
                          phases_us=phase_timeline([p["stamps"] for p in everyone])))
@@ -216,20 +226,22 @@ def markdown(rows: list[dict], trivial_us: float) -> str:
     seen = set()
     for r in rows:
         key = (r["config"], r["tokens_per_rank"], r["variant"])
-        if key in seen or r["variant"] in ("timeline", "per-call"):
+        if key in seen or r["variant"] in ("timeline", "per-call", "per-call-donated"):
             continue
         seen.add(key)
         ks = [q for q in rows if (q["config"], q["tokens_per_rank"], q["variant"]) == key]
         per_k = ", ".join(f"K={q['K']}: {q['per_cycle_event_us']:.1f}" for q in ks)
         out.append(f"| {r['config']} | {r['tokens_per_rank']} | {r['variant']} | "
                    f"{r['fit_event_b_us']:.1f} | {r['fit_event_a_us']:.1f} | {per_k} |")
-    calls = [r for r in rows if r["variant"] == "per-call"]
+    calls = [r for r in rows if r["variant"] in ("per-call", "per-call-donated")]
     if calls:
         out += ["", f"Jitted single-cycle calls back to back (a trivial jitted call: "
-                f"{trivial_us:.0f} µs of host time):", "",
-                "| config | tokens | host µs per call | GPU µs per cycle |", "|---|---|---|---|"]
-        out += [f"| {r['config']} | {r['tokens_per_rank']} | {r['host_us_per_call']:.0f} | "
-                f"{r['per_cycle_event_us']:.1f} |" for r in calls]
+                f"{trivial_us:.0f} µs of host time; donated: the previous output is the next "
+                "call's output buffer):", "",
+                "| config | tokens | variant | host µs per call | GPU µs per cycle |",
+                "|---|---|---|---|---|"]
+        out += [f"| {r['config']} | {r['tokens_per_rank']} | {r['variant']} | "
+                f"{r['host_us_per_call']:.0f} | {r['per_cycle_event_us']:.1f} |" for r in calls]
     return "\n".join(out)
 
 
@@ -286,8 +298,8 @@ def main() -> int:
                     say(f"{case}: {r['variant']:14s} {r['fit_event_b_us']:7.1f} us/cycle "
                         f"(fit a {r['fit_event_a_us']:.1f} us; K={r['K']}: "
                         f"{r['per_cycle_event_us']:.1f})", flush=True)
-                elif r["variant"] == "per-call":
-                    say(f"{case}: per-call host {r['host_us_per_call']:.0f} us/call, GPU "
+                elif r["variant"] in ("per-call", "per-call-donated"):
+                    say(f"{case}: {r['variant']} host {r['host_us_per_call']:.0f} us/call, GPU "
                         f"{r['per_cycle_event_us']:.1f} us/cycle", flush=True)
                 elif r["variant"] == "timeline":
                     say(format_timeline(r["phases_us"]), flush=True)
