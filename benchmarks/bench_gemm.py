@@ -84,7 +84,8 @@ HBM_BPS, PEAK_FLOPS = 4.0e12, 700e12
 OPTIONS = ("einsum", "ragged_dot", "ragged_dot_triton", "tokamax", "masked", "tokamax_unfused",
            "tokamax_mosaic", "tokamax_xla", "tokamax_kernelwgrad", "tokamax_alignedwgrad",
            "tokamax_ownvjp")
-TOKAMAX_IMPLS = ("mosaic", "triton", "xla", "mosaic_gpu")  # tokamax 0.0.17's names
+TOKAMAX_IMPLS = ("mosaic", "triton", "xla", "mosaic_gpu",  # tokamax 0.0.17's names
+                 "mosaic_persistent")  # ours (expert_gemm.TOKAMAX_PERSISTENT)
 TRITON_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
 
 

@@ -36,6 +36,7 @@ pair the handle's layout with the option: "packed" for "tokamax"/"ragged_dot", "
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -170,10 +171,37 @@ def _vary_like(out, *inputs):
     return pcast(out, axes, to="varying") if pcast else jax.lax.pvary(out, axes)
 
 
+# Our name for tokamax's Mosaic GPU kernel with its H100/H200 heuristic config but persistent
+# (a grid of the device's SM count looping over the output tiles). tokamax's sm90 default is
+# one block per tile of a grid over every row tile of the buffer plus the groups: with packed
+# rows at the worst case (V2-Lite 128 tokens: 6,144 rows for 768 live) ~90 % of its blocks
+# start only to find no rows, which a persistent loop skips in a few loads each. Measured
+# against the default by bench_gemm's tokamax_mosaic_persistent and, for the layer, with
+# JMC_TOKAMAX_IMPL=mosaic_persistent (docs/notes.md).
+TOKAMAX_PERSISTENT = "mosaic_persistent"
+
+
+def _tokamax_implementation(name):
+    """tokamax's `implementation=` for one of ours: None (tokamax's choice; the environment's
+    JMC_TOKAMAX_IMPL if set), a tokamax name, or TOKAMAX_PERSISTENT: its persistent kernel
+    first, tokamax's own choice where that refuses a problem (NotImplementedError)."""
+    name = name or os.environ.get("JMC_TOKAMAX_IMPL") or None
+    if name != TOKAMAX_PERSISTENT:
+        return name
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as mgpu  # private: 0.0.17's
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu_common as common
+
+    config = common.Config(block_m=64, block_n=64, block_k=128, num_stages=2, split_k=1,
+                           persistent=True, grid_minor_dim=common.MatmulDimension.M,
+                           grid_tile_width=1)
+    return (mgpu.PallasMosaicGpuRaggedDot(config=config), "mosaic", "xla")
+
+
 @functools.cache
 def _tokamax_dot(implementation=None):
     """tokamax.ragged_dot_general in the signature grouped_vjp takes."""
     tk = _require_tokamax()
+    implementation = _tokamax_implementation(implementation)
     kw = {} if implementation is None else {"implementation": implementation}
 
     def dot(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, preferred_element_type=None):
@@ -187,6 +215,7 @@ def _tokamax_forward(x, group_sizes, w_in, w_out, out_dtype, implementation=None
     """The forward on tokamax's kernels, SiLU fused into the first GEMM's epilogue (in f32 on
     the accumulator, then bf16: what einsum_mlp does)."""
     tk = _require_tokamax()
+    implementation = _tokamax_implementation(implementation)
     kw = {} if implementation is None else {"implementation": implementation}
     try:
         h = tk.ragged_dot(x, w_in, group_sizes, preferred_element_type=bf16,

@@ -186,6 +186,31 @@ def test_tokamax_missing_says_how_to_install(monkeypatch):
     assert expert_gemm.masked_inner() == "ragged_dot"  # "masked" still runs, on XLA's GEMM
 
 
+def test_tokamax_implementation_names(monkeypatch):
+    """None is tokamax's own choice unless JMC_TOKAMAX_IMPL names one; ours, the persistent
+    Mosaic GPU kernel, comes first with tokamax's choices behind it (a refusal falls back)."""
+    monkeypatch.delenv("JMC_TOKAMAX_IMPL", raising=False)
+    assert expert_gemm._tokamax_implementation(None) is None
+    assert expert_gemm._tokamax_implementation("xla") == "xla"
+    monkeypatch.setenv("JMC_TOKAMAX_IMPL", "xla")
+    assert expert_gemm._tokamax_implementation(None) == "xla"
+    assert expert_gemm._tokamax_implementation("mosaic") == "mosaic"  # an explicit name wins
+
+
+@needs_tokamax
+def test_tokamax_persistent_is_the_mosaic_kernel_persistent_then_tokamax_choices():
+    first, *rest = expert_gemm._tokamax_implementation(expert_gemm.TOKAMAX_PERSISTENT)
+    assert type(first).__name__ == "PallasMosaicGpuRaggedDot" and first.config.persistent
+    assert rest == ["mosaic", "xla"]
+    # Where its kernel cannot run (here: no GPU) the layer still computes, on the fallbacks.
+    x, w_in, w_out, g, live = padded_data()
+    want = expert_gemm.expert_mlp(x, jnp.asarray(COUNTS), w_in, w_out, "einsum")
+    got = expert_gemm.tokamax_mlp(to_packed(x, live), jnp.asarray(COUNTS), w_in, w_out,
+                                  implementation=expert_gemm.TOKAMAX_PERSISTENT)
+    np.testing.assert_allclose(np.asarray(to_packed(want, live)[: live.sum()], np.float32),
+                               np.asarray(got[: live.sum()], np.float32), rtol=2e-2, atol=2e-2)
+
+
 # -- through the MoE layer: jax.grad through dispatch, the experts and combine ----------------
 LAYER = dict(num_experts=8, experts_per_token=3, hidden=64, ffn=96, max_num_tokens=6)
 WORLD = 2
