@@ -146,10 +146,11 @@ def time_case(case: Case, mesh, args) -> dict:
     # handlers run again), and the previous output donated back as the buffer of the next
     # (what a server loop can do; docs/notes.md, "Command buffers").
     if args.calls:
-        single = jax.jit(jax.shard_map(lambda *a: cycle(*a[:4], a[4].reshape(()), a[5]),
-                                       mesh=mesh, in_specs=(spec,) * 6, out_specs=spec))
-        donating = jax.jit(jax.shard_map(lambda *a: cycle(*a[:4], a[4].reshape(()), a[5]),
-                                         mesh=mesh, in_specs=(spec,) * 7, out_specs=spec),
+        def one(*a):  # a[6], where given: the donated previous output (unused but its buffer)
+            return cycle(*a[:4], a[4].reshape(()), a[5])
+
+        single = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec))
+        donating = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=(spec,) * 7, out_specs=spec),
                            donate_argnums=(6,))
         marks = [jax.jit(jax.shard_map(lambda v, s=s: record_event(v, s), mesh=mesh,
                                        in_specs=spec, out_specs=spec)) for s in (2, 3)]
