@@ -35,6 +35,31 @@ named tokamax[_<implementation>][_unfused]:
                     (its IMPLEMENTATIONS; "mosaic" is the Mosaic GPU kernel, "xla" jax.lax's),
                     e.g. tokamax_mosaic_unfused for both. A name tokamax lacks is recorded as the
                     row's error.
+Kernel configs (issue 24: V2-Lite at 128 tokens is 1.79x its floor, its GEMMs ~2x the time of
+reading the weights once), named tokamax_cfg_<spec>[_unfused], e.g. tokamax_cfg_m128s4p1:
+tokamax_mlp with implementation="mosaic:<spec>", tokamax's Mosaic GPU kernel with a Config of
+ours (expert_gemm.TOKAMAX_SPEC_GRAMMAR: m block_m, n block_n, k block_k, s num_stages,
+p persistent 0/1, g the grid's minor dimension m/n, w grid tile width; letters left out take
+tokamax's sm90 heuristic, m64n64k128s2p0gmw1), falling back to tokamax's "mosaic" (its own
+config), then "xla", where the kernel refuses a problem. tokamax_mosaic_persistent is the spec
+p1. Such a row's tokamax_config holds the spec, the Config asked for, and per forward GEMM
+(w_in, w_out) "spec" where the kernel takes it, else why it refused (the fallback's config
+beside it). The preset `sweep` in --options stands for SWEEP, 8 specs whose pairs differ in one
+letter: m64s2p0 (the heuristic through this path: must match `tokamax`), m128s2p0, m64s2p1,
+m64s4p0, m128s2p1, m128s4p0, m128s4p1, m128s4p1gn. They separate (a) block_m 64 vs 128 (with
+~96-120 live rows per expert, 64 makes two row tiles: each weight tile read twice?), (b) not
+persistent vs persistent (one block per 64-row tile of the whole packed buffer, 6,144 rows for
+768 live at V2-Lite's worst case, most exiting at once: with --packed-rows-factor 1.25 the
+non-persistent rows should gain far more than the persistent ones), (c) 2 vs 4 stages; gn: M
+vs N as the grid's minor dimension. Each option compiles two programs per shape: ~8 s a row on
+the H200 (2026-12-05: 14 rows in 116 s), so 2 configs x (einsum, tokamax, 8 specs) at one token
+count are ~160 s, inside the default --budget-s 200 (rows not started by then are skipped and
+say so). On the GPU, after the pip install above (~170 s each; both fit one 600 s call):
+
+    PYTHONPATH=/tmp/site python3 benchmarks/bench_gemm.py --configs V2Lite,R1 --tokens 128 --options tokamax,sweep --packed-rows-factor 0 --out $OUT/sweep
+
+    PYTHONPATH=/tmp/site python3 benchmarks/bench_gemm.py --configs V2Lite,R1 --tokens 128 --options tokamax,sweep --packed-rows-factor 1.25 --out $OUT/sweep125
+
 In the fwd+bwd op tokamax computes y with return_residuals (the activation applied outside the
 kernel), so err_y (fwd op, fused) beside err_y_fb (fwd+bwd op) separates the two as well.
 
@@ -86,6 +111,12 @@ OPTIONS = ("einsum", "ragged_dot", "ragged_dot_triton", "tokamax", "masked", "to
            "tokamax_ownvjp")
 TOKAMAX_IMPLS = ("mosaic", "triton", "xla", "mosaic_gpu",  # tokamax 0.0.17's names
                  "mosaic_persistent")  # ours (expert_gemm.TOKAMAX_PERSISTENT)
+# tokamax kernel specs (tokamax_cfg_<spec>) of the preset "sweep": pairs differing in one letter
+# separate block_m 64/128, persistent or not, 2/4 stages (see the module docstring); the first
+# is tokamax's sm90 heuristic itself, through the spec path.
+SWEEP = ("m64s2p0", "m128s2p0", "m64s2p1", "m64s4p0", "m128s2p1", "m128s4p0", "m128s4p1",
+         "m128s4p1gn")
+PRESETS = {"sweep": tuple(f"tokamax_cfg_{spec}" for spec in SWEEP)}
 TRITON_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
 
 
@@ -95,7 +126,9 @@ def parse(argv):
     p.add_argument("--configs", help=f"default: {','.join(CONFIGS)}")
     p.add_argument("--tokens", help="tokens per rank, default: 1,16,128")
     p.add_argument("--options", default=",".join(OPTIONS[:5]),
-                   help=f"any of {', '.join(OPTIONS)}, or tokamax[_<implementation>][_unfused]")
+                   help=f"any of {', '.join(OPTIONS)}, tokamax[_<implementation>][_unfused], "
+                   "tokamax_cfg_<kernel spec>[_unfused] (e.g. tokamax_cfg_m128s4p1), or the "
+                   f"preset sweep ({len(SWEEP)} kernel specs)")
     p.add_argument("--packed-rows-factor", type=float, default=0.0,
                    help="packed buffer rows = this x the live rows (0: dispatch's worst case): "
                    "what a capacity does to the grouped GEMMs' time at the same live rows")
@@ -115,7 +148,8 @@ def parse(argv):
     return a
 
 
-ARGS = parse(sys.argv[1:])
+# Imported (the tests): the defaults, nothing run.
+ARGS = parse(sys.argv[1:] if __name__ == "__main__" else ["--out", ""])
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -199,14 +233,32 @@ def option_fn(option, case=None):
     raise ValueError(f"unknown option {option!r}; expected one of {OPTIONS}")
 
 
+def expand_options(text):
+    """--options' comma list -> the option names, presets (PRESETS) expanded, each once."""
+    out = []
+    for option in text.split(","):
+        for name in PRESETS.get(option.strip(), (option.strip(),)):
+            if name and name not in out:
+                out.append(name)
+    return out
+
+
 def tokamax_variant(option):
-    """tokamax[_<implementation>][_unfused] -> (implementation or None, unfused)."""
+    """tokamax[_<implementation>][_unfused] -> (implementation or None, unfused);
+    tokamax_cfg_<spec>[_unfused] -> ("mosaic:<spec>", unfused)."""
     parts = option.split("_")[1:]
     unfused = parts[-1:] == ["unfused"]
     impl = "_".join(parts[:-1] if unfused else parts) or None
+    if impl is not None and impl.startswith("cfg_"):
+        try:
+            G.parse_tokamax_spec(impl[len("cfg_"):])
+        except ValueError as e:
+            raise ValueError(f"option {option!r}: {e}") from None
+        return G.TOKAMAX_SPEC_PREFIX + impl[len("cfg_"):], unfused
     if impl is not None and impl not in TOKAMAX_IMPLS:
         raise ValueError(f"option {option!r}: unknown tokamax implementation {impl!r}; "
-                         f"expected tokamax[_<one of {TOKAMAX_IMPLS}>][_unfused]")
+                         f"expected tokamax[_<one of {TOKAMAX_IMPLS}>][_unfused] or "
+                         "tokamax_cfg_<kernel spec>[_unfused], e.g. tokamax_cfg_m128s4p1")
     return impl, unfused
 
 
@@ -227,16 +279,13 @@ def tokamax_config(case):
     except Exception as e:  # noqa: BLE001
         return {"error": short(e)}
     out = {}
-    shapes = (("w_in", (case.T, case.H), case.w_in), ("w_out", (case.T, case.F), case.w_out))
     for name in ("mosaic_gpu", "triton"):
         op = api.IMPLEMENTATIONS.get(name)
         if op is None or not hasattr(op, "bind"):
             continue
-        for gemm, lhs, rhs in shapes:
+        for gemm, lhs, rhs in forward_gemms(case):
             try:
-                ba = op.bind(jax.ShapeDtypeStruct(lhs, bf16),
-                             jax.ShapeDtypeStruct(rhs.shape, bf16), group_sizes=case.counts,
-                             preferred_element_type=bf16)
+                ba = op.bind(lhs, rhs, group_sizes=case.counts, preferred_element_type=bf16)
                 cfg = ba.default_config
                 out[f"{name}:{gemm}"] = str(cfg() if callable(cfg) else cfg)[:300]
             except Exception as e:  # noqa: BLE001
@@ -244,10 +293,58 @@ def tokamax_config(case):
     return out
 
 
+def forward_gemms(case):
+    """(name, lhs, rhs) shapes of the case's two forward GEMMs, bf16."""
+    return (("w_in", jax.ShapeDtypeStruct((case.T, case.H), bf16),
+             jax.ShapeDtypeStruct(case.w_in.shape, bf16)),
+            ("w_out", jax.ShapeDtypeStruct((case.T, case.F), bf16),
+             jax.ShapeDtypeStruct(case.w_out.shape, bf16)))
+
+
+def tokamax_spec_config(case, implementation):
+    """A kernel spec's row (tokamax_cfg_<spec>, tokamax_mosaic_persistent): {spec, config: the
+    Config it asks for, w_in / w_out: "spec" where tokamax's Mosaic GPU kernel takes it for that
+    forward GEMM, else why not (NotImplementedError: tokamax falls back to "mosaic", whose own
+    config, tokamax_config's mosaic_gpu:*, is added, then "xla")}. Traced only: a kernel that
+    takes a config but fails to compile fails the row instead."""
+    spec = G.tokamax_spec(implementation)
+    out = {"spec": spec}
+    try:
+        out["full_spec"] = full_spec(spec)
+        tk = G._require_tokamax()
+        first = G._tokamax_implementation(implementation)[0]
+    except Exception as e:  # noqa: BLE001
+        out["error"] = short(e)[:300]
+        return out
+    out["config"] = str(first.config)[:300]
+    refused = False
+    for gemm, lhs, rhs in forward_gemms(case):
+        try:  # tokamax's own call with our kernel alone: it raises where it would fall back
+            jax.eval_shape(lambda a, b, gs: tk.ragged_dot(a, b, gs, preferred_element_type=bf16,
+                                                          implementation=(first,)),
+                           lhs, rhs, case.counts)
+            out[gemm] = "spec"
+        except Exception as e:  # noqa: BLE001
+            refused = refused or isinstance(e, NotImplementedError)
+            out[gemm] = ("refused, fell back: " if isinstance(e, NotImplementedError)
+                         else "fails: ") + short(e)[:240]
+    if refused:
+        out.update(tokamax_config(case))
+    return out
+
+
+def full_spec(spec):
+    """A kernel spec with every letter spelled out, e.g. m128s4p1 -> m128n64k128s4p1gmw1."""
+    fields = G.parse_tokamax_spec(spec)
+    return "".join(f"{letter}{int(v) if isinstance(v, bool) else v}" for letter, v in
+                   ((letter, fields[f]) for letter, f in G.TOKAMAX_SPEC_LETTERS.items()))
+
+
 def tokamax_unfused_mlp(x, c, w_in, w_out, implementation=None):
     """tokamax's two GEMMs with nothing fused: f32 out, SiLU in f32 outside, then bf16."""
     tk = G._require_tokamax()
     gs = c.astype(jnp.int32)
+    implementation = G._tokamax_implementation(implementation)  # a kernel spec: its kernel
     kw = {} if implementation is None else {"implementation": implementation}
     h = tk.ragged_dot(x, w_in, gs, preferred_element_type=f32, **kw)
     h = jax.nn.silu(h).astype(bf16)
@@ -421,7 +518,9 @@ def bench_option(case, option, ref, known_errors):
         layout, mlp = option_fn(option, case)
         args = case.args(layout)
         if option.startswith("tokamax"):
-            row["tokamax_config"] = tokamax_config(case)
+            impl = tokamax_variant(option)[0] if option.startswith("tokamax_") else None
+            row["tokamax_config"] = (tokamax_config(case) if G.tokamax_spec(impl) is None
+                                     else tokamax_spec_config(case, impl))
         target = ARGS.target_ms / 1e3
         fwd_s, fwd_out, impl = measure(fwd_op(mlp), args, ARGS.runs, target)
         row["fwd_us"] = round(fwd_s * 1e6, 2)
@@ -505,6 +604,17 @@ def markdown(meta, rows):
                    f"{e(r.get('err_dx'))} | {e(r.get('err_dw_in'))} | {e(r.get('err_dw_out'))} | "
                    f"{bad} | {e(r.get('bad_experts_y'))} | "
                    f"{r['error'].replace('|', '/')[:200]} |")
+    specs = {}
+    for r in rows:
+        cfg = r.get("tokamax_config") or {}
+        if "spec" in cfg and r["option"] not in specs:
+            specs[r["option"]] = (f"{r['option']} = {cfg.get('full_spec', cfg.get('error'))}: "
+                                  f"w_in {cfg.get('w_in', '-')[:120]}; "
+                                  f"w_out {cfg.get('w_out', '-')[:120]}")
+    if specs:
+        out.append("\nKernel specs (every letter; per forward GEMM at the first shape, 'spec' "
+                   "where tokamax's kernel took it; the Config: tokamax_config in gemm.json):")
+        out += [f"- {text}" for text in specs.values()]
     for name, text in meta.get("shard_map", {}).items():
         out.append(f"\nunder shard_map, {name}: {text or 'matches'}")
     return "\n".join(out) + "\n"
@@ -515,7 +625,8 @@ def main():
     meta = device_meta()
     print(f"bench_gemm: {meta['device']}, jax {meta['jax']}, tokamax {meta['tokamax']} "
           f"{meta['tokamax_problem'] or ''}", flush=True)
-    options = ARGS.options.split(",")
+    options = expand_options(ARGS.options)
+    meta["options"] = options
     for o in options:
         option_fn(o)  # a bad name fails before any work
     rows, known_errors, shard_map = [], {}, {}
@@ -535,7 +646,7 @@ def main():
                     ref = out
                 if option in options:
                     rows.append(row)
-                    print(f"{name:7s} {tokens:4d} {option:18s} fwd {fmt(row['fwd_us']):>9s} "
+                    print(f"{name:7s} {tokens:4d} {option:22s} fwd {fmt(row['fwd_us']):>9s} "
                           f"fwd+bwd {fmt(row['fwd_bwd_us']):>9s} "
                           f"floor {fmt(row['floor_us'], 2):>7s} err {row['err']} {row['impl']} "
                           f"{row['error'][:160]}", flush=True)
@@ -553,10 +664,10 @@ def main():
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     with open(os.path.join(ARGS.out, "gemm.md"), "w") as f:
         f.write(markdown(meta, rows))
-    print(f"\n{'config':7s} {'tok':>4s} {'option':18s} {'fwd us':>9s} {'fwd+bwd':>9s} "
+    print(f"\n{'config':7s} {'tok':>4s} {'option':22s} {'fwd us':>9s} {'fwd+bwd':>9s} "
           f"{'floor':>7s} {'err':>8s}  impl / error")
     for r in rows:
-        print(f"{r['config']:7s} {r['tokens']:4d} {r['option']:18s} {fmt(r['fwd_us']):>9s} "
+        print(f"{r['config']:7s} {r['tokens']:4d} {r['option']:22s} {fmt(r['fwd_us']):>9s} "
               f"{fmt(r['fwd_bwd_us']):>9s} {fmt(r['floor_us'], 2):>7s} "
               f"{'' if r['err'] is None else r['err']:>8}  {r['impl']} {r['error'][:100]}")
     for o, text in shard_map.items():

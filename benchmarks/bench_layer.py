@@ -92,6 +92,8 @@ from jax_moe_comm.moe import MoELayerConfig, moe_forward  # noqa: E402
 # (experts, top-k, hidden, expert ffn): DeepSeek-V2-Lite and DeepSeek-R1 MoE layers.
 LAYERS = {"V2Lite": (64, 6, 2048, 1408), "R1": (256, 8, 7168, 2048), "tiny": (16, 4, 256, 512)}
 DECODE_MAX_TOKENS = 128  # rows above are prefill rows
+# Environment knobs (docs/knobs.md) that change what a row runs: recorded in the results.
+KNOBS = ("JMC_RECV_DEQUANTIZE", "JMC_TOKAMAX_IMPL", "JMC_TRANSPORT")
 f32, bf16 = jnp.float32, jnp.bfloat16
 _A2A_PARAMS = inspect.signature(AllToAll).parameters
 CAPACITY = "max_recv_rows" in _A2A_PARAMS  # the packed capacity
@@ -508,7 +510,9 @@ class Bench:
             capacity_support=CAPACITY, expert_capacity_support=EXPERT_CAPACITY,
             tokamax_problem=tk, masked_inner=G.masked_inner(),
             hbm_bps_nominal=args.hbm_bps, mem_per_rank_bytes=self.mem_per_rank,
-            budget_s=args.budget_s, weights={}, finished=False)
+            budget_s=args.budget_s, weights={}, finished=False,
+            # the knobs that change what a row runs (docs/knobs.md), as this run saw them
+            knobs={k: os.environ[k] for k in KNOBS if k in os.environ})
 
     # -- per config ---------------------------------------------------------------------------
     def layer_cfg(self, case: Case) -> MoELayerConfig:
@@ -928,7 +932,8 @@ def markdown(meta, rows):
            f"MPS share {meta['mps_share']}, capacity API: {meta['capacity_support']} (packed), "
            f"{meta.get('expert_capacity_support')} (padded expert_capacity), tokamax: "
            f"{meta['tokamax_problem'] or 'ok'}, elapsed {meta.get('elapsed_s')} s"
-           f"{'' if meta.get('finished') else ' (run not finished)'}", "",
+           f"{'' if meta.get('finished') else ' (run not finished)'}"
+           + "".join(f", {k}={v}" for k, v in meta.get("knobs", {}).items()), "",
            f"    {meta['command']}", "",
            "floor = the local experts' weights read once (measured, every rank at once) + "
            "dispatch + combine alone (comm, same layout); ok = loop / floor <= 1.5. loop: "

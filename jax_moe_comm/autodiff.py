@@ -59,7 +59,8 @@ every dispatch (primal and forward rule alike, since a jax.grad that does not di
 runs the primal): on the nvshmem backend they hold stale data, and the expert layer's weight
 gradient would multiply it by the zero cotangent of those rows (NaN * 0 = NaN). Inference
 handles leave them undefined (zeroing them costs L*R*H bytes of writes per call, 235 MB at R1).
-The fp8 dequantising path masks them always: it writes every row anyway.
+The fp8 dequantising path masks them always when XLA dequantizes (it writes every row anyway);
+when the receive kernel does (JMC_RECV_DEQUANTIZE=1), only differentiable handles mask them.
 
 fp8: bf16 x given to an fp8 handle is quantized inside (1x128 blocks, quant.quantize), sent as
 fp8 and dequantised on arrival to bf16 `expert_x`; its gradient is the straight-through one,
@@ -75,6 +76,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -245,15 +247,30 @@ def dispatch_send(plan: Plan, x, x_scale, indices, num_tokens, weights, fused: b
     return plan.fwd.dispatch_send(x, x_scale, indices, num_tokens, weights=weights)
 
 
+# JMC_RECV_DEQUANTIZE=1: a backend that can (nvshmem) dequantizes fp8 rows in its receive
+# kernel instead of XLA's pass over the whole expert_x afterwards (docs/knobs.md). Opt-in
+# until a GPU run has checked it bit for bit against the XLA pass and timed it.
+RECV_DEQUANTIZE_ENV = "JMC_RECV_DEQUANTIZE"
+
+
+def recv_dequantizes(backend) -> bool:
+    """Whether dispatch_recv asks `backend` for bf16 rows (read at trace time)."""
+    return (bool(getattr(type(backend), "dequantizes_on_recv", False))
+            and os.environ.get(RECV_DEQUANTIZE_ENV, "0") == "1")
+
+
 def _dispatch_out(plan: Plan, dequantize: bool, has_weights: bool, state):
     state = no_vmap("dispatch_recv", state)[0]
+    in_kernel = dequantize and recv_dequantizes(plan.fwd)
+    more = dict(dequantize=True) if in_kernel else {}
     if isinstance(state, FusedDispatch):
         ex, scale, counts, routing, ew, dropped = plan.fwd.dispatch(
-            state.x, state.x_scale, state.indices, state.num_tokens, weights=state.weights)
+            state.x, state.x_scale, state.indices, state.num_tokens, weights=state.weights,
+            **more)
     else:
-        ex, scale, counts, routing, ew, dropped = plan.fwd.dispatch_recv(state)
+        ex, scale, counts, routing, ew, dropped = plan.fwd.dispatch_recv(state, **more)
     live = plan.rows.live(counts)
-    if dequantize:  # writes every row anyway: masking is free
+    if dequantize and not in_kernel:  # writes every row anyway: masking is free
         ex = _zero_past(live, quant.dequantize(ex, scale)).astype(jnp.bfloat16)
         scale = None
     elif plan.differentiable:

@@ -17,7 +17,10 @@ inputs, f32 accumulation, the hidden activation rounded to bf16). The MoE layer'
   ragged_dot where it has no kernel, e.g. on CPU). SiLU is fused into the first GEMM's
   epilogue where tokamax can. Output rows past sum(group_sizes) are not written (undefined);
   combine never reads them. Its backward is grouped_vjp's (tokamax's kernels for d x, XLA's
-  batched GEMM over a window of rows per expert for the weights).
+  batched GEMM over a window of rows per expert for the weights). Which of tokamax's kernels:
+  its own choice, unless tokamax_mlp(implementation=) or JMC_TOKAMAX_IMPL names one: tokamax's
+  names, or (for measuring) its Mosaic GPU kernel with a config of ours, "mosaic:<spec>", e.g.
+  "mosaic:m128s4p1" (TOKAMAX_SPEC_GRAMMAR; TOKAMAX_PERSISTENT is the named spec "p1").
 - "masked": the padded layout with rows >= expert_num_tokens[e] skipped. Not a kernel of its
   own: the live rows are gathered into a packed view (api.pack_rows), run through tokamax's
   grouped GEMM (jax.lax.ragged_dot when tokamax is not installed) and scattered back
@@ -171,30 +174,114 @@ def _vary_like(out, *inputs):
     return pcast(out, axes, to="varying") if pcast else jax.lax.pvary(out, axes)
 
 
+# tokamax's Mosaic GPU kernel config for bf16 inputs on sm90 when nothing else is said: its
+# heuristic (PallasMosaicGpuRaggedDot._get_heuristics_config; _get_sm90_autotuning_configs
+# spans block_m 16-128, num_stages 2/4, persistent or not, grid_minor_dim M/N, tile width 1-8),
+# as bench_gemm recorded it (`tokamax_config`) on the H200 run of 2026-12-05, tokamax 0.0.17
+# (benchmarks/results/2026-12-05-f97726a-layer3/gemm.json): block_m 64, block_n 64, block_k
+# 128, 2 stages, not persistent, M the grid's minor dimension. Letters a kernel spec leaves out
+# take these values. (0.0.12's heuristic also sets warp_specialized and async_store, fields
+# 0.0.17's Config no longer has; 0.0.12's sm90 kernel for unquantized inputs reads neither.)
+TOKAMAX_SM90_DEFAULT = {"block_m": 64, "block_n": 64, "block_k": 128, "num_stages": 2,
+                        "split_k": 1, "persistent": False, "grid_minor_dim": "m",
+                        "grid_tile_width": 1}
+# A kernel spec's letters: each followed by its value, e.g. "m128s4p1" (block_m 128, 4 stages,
+# persistent); JMC_TOKAMAX_IMPL and implementation= take it as "mosaic:<spec>".
+TOKAMAX_SPEC_LETTERS = {"m": "block_m", "n": "block_n", "k": "block_k", "s": "num_stages",
+                        "p": "persistent", "g": "grid_minor_dim", "w": "grid_tile_width"}
+TOKAMAX_SPEC_PREFIX = "mosaic:"
+TOKAMAX_SPEC_GRAMMAR = (
+    "a tokamax kernel spec is letters each followed by its value, each letter at most once, "
+    "e.g. 'm128s4p1': m<block_m, a multiple of 8> n<block_n> k<block_k> s<num_stages> "
+    "p<persistent: 0 or 1> g<grid_minor_dim: m or n> w<grid_tile_width> (numbers >= 1); "
+    "letters left out take tokamax's sm90 heuristic values (expert_gemm.TOKAMAX_SM90_DEFAULT: "
+    "m64n64k128s2p0gmw1)")
+
 # Our name for tokamax's Mosaic GPU kernel with its H100/H200 heuristic config but persistent
-# (a grid of the device's SM count looping over the output tiles). tokamax's sm90 default is
-# one block per tile of a grid over every row tile of the buffer plus the groups: with packed
-# rows at the worst case (V2-Lite 128 tokens: 6,144 rows for 768 live) ~90 % of its blocks
-# start only to find no rows, which a persistent loop skips in a few loads each. Measured
+# (a grid of the device's SM count looping over the output tiles): the spec "p1". tokamax's sm90
+# default is one block per tile of a grid over every row tile of the buffer plus the groups:
+# with packed rows at the worst case (V2-Lite 128 tokens: 6,144 rows for 768 live) ~90 % of its
+# blocks start only to find no rows, which a persistent loop skips in a few loads each. Measured
 # against the default by bench_gemm's tokamax_mosaic_persistent and, for the layer, with
 # JMC_TOKAMAX_IMPL=mosaic_persistent (docs/notes.md).
 TOKAMAX_PERSISTENT = "mosaic_persistent"
+# Named kernel specs: implementation names that stand for a "mosaic:<spec>".
+TOKAMAX_NAMED_SPECS = {TOKAMAX_PERSISTENT: "p1"}
+
+
+def tokamax_spec(name) -> str | None:
+    """The kernel spec an implementation name stands for ("mosaic:<spec>", or a named one:
+    TOKAMAX_NAMED_SPECS), else None (None, or one of tokamax's own names)."""
+    if not isinstance(name, str):
+        return None
+    if name in TOKAMAX_NAMED_SPECS:
+        return TOKAMAX_NAMED_SPECS[name]
+    return name[len(TOKAMAX_SPEC_PREFIX):] if name.startswith(TOKAMAX_SPEC_PREFIX) else None
+
+
+def parse_tokamax_spec(spec: str) -> dict:
+    """A kernel spec (TOKAMAX_SPEC_GRAMMAR), e.g. "m128s4p1", -> tokamax Config's fields:
+    TOKAMAX_SM90_DEFAULT with the spec's letters set (grid_minor_dim "m" or "n"). A ValueError
+    names the bad letter or value."""
+    fields, seen, i = dict(TOKAMAX_SM90_DEFAULT), set(), 0
+
+    def bad(what):
+        return ValueError(f"tokamax kernel spec {spec!r}: {what}; {TOKAMAX_SPEC_GRAMMAR}")
+
+    if not spec:
+        raise bad("empty")
+    while i < len(spec):
+        letter, i = spec[i], i + 1
+        if letter not in TOKAMAX_SPEC_LETTERS:
+            raise bad(f"unknown letter {letter!r} at position {i - 1}")
+        if letter in seen:
+            raise bad(f"letter {letter!r} given twice")
+        seen.add(letter)
+        field = TOKAMAX_SPEC_LETTERS[letter]
+        if letter == "g":
+            value = spec[i:i + 1]
+            if value not in ("m", "n"):
+                raise bad(f"g{value}: g takes m or n (the grid's minor dimension)")
+            fields[field], i = value, i + 1
+            continue
+        start = i
+        while i < len(spec) and spec[i] in "0123456789":
+            i += 1
+        if start == i:
+            raise bad(f"letter {letter!r} ({field}) has no number after it")
+        value = int(spec[start:i])
+        if letter == "p":
+            if value not in (0, 1):
+                raise bad(f"p{value}: p takes 0 or 1 (persistent)")
+            fields[field] = bool(value)
+        elif value < 1 or (letter == "m" and value % 8):
+            raise bad(f"{letter}{value}: {field} must be "
+                      + ("a positive multiple of 8" if letter == "m" else ">= 1"))
+        else:
+            fields[field] = value
+    return fields
 
 
 def _tokamax_implementation(name):
     """tokamax's `implementation=` for one of ours: None (tokamax's choice; the environment's
-    JMC_TOKAMAX_IMPL if set), a tokamax name, or TOKAMAX_PERSISTENT: its persistent kernel
-    first, tokamax's own choice where that refuses a problem (NotImplementedError)."""
+    JMC_TOKAMAX_IMPL if set), a tokamax name, or a kernel spec ("mosaic:<spec>" or a named
+    one, e.g. TOKAMAX_PERSISTENT): tokamax's Mosaic GPU kernel with that Config first, then
+    "mosaic" (tokamax's own config) and "xla" where it refuses a problem (NotImplementedError)."""
+    from_env = not name and bool(os.environ.get("JMC_TOKAMAX_IMPL"))
     name = name or os.environ.get("JMC_TOKAMAX_IMPL") or None
-    if name != TOKAMAX_PERSISTENT:
+    spec = tokamax_spec(name)
+    if spec is None:
         return name
+    try:
+        fields = parse_tokamax_spec(spec)
+    except ValueError as e:
+        where = f"JMC_TOKAMAX_IMPL={name!r}" if from_env else f"implementation={name!r}"
+        raise ValueError(f"{where}: {e}") from None
     from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as mgpu  # private: 0.0.17's
     from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu_common as common
 
-    config = common.Config(block_m=64, block_n=64, block_k=128, num_stages=2, split_k=1,
-                           persistent=True, grid_minor_dim=common.MatmulDimension.M,
-                           grid_tile_width=1)
-    return (mgpu.PallasMosaicGpuRaggedDot(config=config), "mosaic", "xla")
+    fields["grid_minor_dim"] = common.MatmulDimension[fields["grid_minor_dim"].upper()]
+    return (mgpu.PallasMosaicGpuRaggedDot(config=common.Config(**fields)), "mosaic", "xla")
 
 
 @functools.cache

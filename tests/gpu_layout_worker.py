@@ -9,6 +9,8 @@
 - the MoE layer with ragged_dot on the packed layout against the dense layer and against the
   padded layout's einsum;
 - the Flax module decoding with a different token count per rank each step, compiled once;
+- dequantize on receive (JMC_RECV_DEQUANTIZE=1): the kernel's bf16 rows against XLA's pass,
+  bit for bit, every cycle of a jitted loop, both layouts, fused and split; the fp8 layer's y;
 - a packed capacity below the worst case, and a padded per-expert capacity (issue 24):
   overflow="drop" in a jitted fori_loop of cycles that alternate a routing that overflows
   rank 0 with one that fits, every cycle's y checked on the device against the dense sum
@@ -207,11 +209,134 @@ def main() -> int:
         assert worst <= 0.05, worst
         return f"6 steps, traced once, max|y - dense|={worst:.3g}"
 
+    recv_dequantize_cases(mesh)
     capacity_cases(mesh)
     if args.bench:
         bench(mesh)
 
     return suite.finish("GPU LAYOUT SUITE")
+
+
+# -- dequantize on receive (JMC_RECV_DEQUANTIZE) ----------------------------------------------
+DEQ_CYCLES = 6
+
+
+def dequantize_loop(a2a, mesh, split: bool):
+    """One jitted fori_loop of DEQ_CYCLES dispatches of bf16 x (the handle quantizes it), no
+    host round trip between them, cycle i sending x * (1 + i / 8) from a rank that starts
+    it late by a rank-dependent spin; returns per rank [cycles, rows, H] bf16 expert_x and
+    [cycles, L] counts. The knob is read while tracing: trace under the setting to test."""
+    def body(x, idx, nt):
+        nt = nt.reshape(())
+        rank = jax.lax.axis_index("ep")
+
+        def cycle(i, carry):
+            xs, counts = carry
+            # skew: rank-dependent serial work that the send waits for (spin is > 0 always)
+            spin = jax.lax.fori_loop(0, 200 * rank, lambda _, v: v * 1.0000001, jnp.float32(1))
+            scale = jnp.where(spin > 0, 1 + i / 8, 0.0).astype(f32)
+            xi = (x.astype(f32) * scale).astype(bf16)
+            if split:
+                out = a2a.dispatch_recv(a2a.dispatch_send(xi, idx, nt))
+            else:
+                out = a2a.dispatch(xi, idx, nt)
+            assert out.expert_x.dtype == bf16 and out.expert_x_scale is None
+            return (xs.at[i].set(out.expert_x), counts.at[i].set(out.expert_num_tokens))
+
+        rows = ((a2a.max_recv_rows,) if a2a.layout == "packed" else
+                (a2a.config.num_local_experts, a2a.expert_capacity))
+        shape = (DEQ_CYCLES,) + rows + (a2a.config.hidden,)
+        init = (jnp.zeros_like(x, bf16, shape=shape),
+                jnp.zeros_like(nt, jnp.int32, shape=(DEQ_CYCLES, a2a.config.num_local_experts)))
+        xs, counts = jax.lax.fori_loop(0, DEQ_CYCLES, cycle, init)
+        return xs[None], counts[None]
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3,
+                                 out_specs=(P("ep"), P("ep"))))
+
+
+def recv_dequantize_cases(mesh):
+    """The receive kernel's bf16 rows (JMC_RECV_DEQUANTIZE=1) against XLA's dequantize pass
+    (=0): every live row of every cycle of a jitted loop bit for bit, both layouts, fused and
+    split dispatch; then the fp8 MoE layer's y with each."""
+    import os
+
+    from jax_moe_comm import autodiff
+
+    cfg = MoEConfig(num_experts=2 * WORLD, experts_per_token=4, hidden=1024, max_num_tokens=16,
+                    world_size=WORLD, dispatch_dtype=fp8)
+    inp = T.make_inputs(cfg, 77, "duplicates")
+    x = put(mesh, T.differentiable_x(cfg, inp).reshape(-1, cfg.hidden))
+    idx = put(mesh, inp.indices.reshape(-1, cfg.experts_per_token))
+    nt = put(mesh, inp.num_tokens)
+
+    def with_knob(value, fn):
+        old = os.environ.get(autodiff.RECV_DEQUANTIZE_ENV)
+        os.environ[autodiff.RECV_DEQUANTIZE_ENV] = value
+        try:
+            return fn()
+        finally:
+            if old is None:
+                os.environ.pop(autodiff.RECV_DEQUANTIZE_ENV)
+            else:
+                os.environ[autodiff.RECV_DEQUANTIZE_ENV] = old
+
+    for layout in ("packed", "padded"):
+        for split in (False, True):
+            @case(f"EP{WORLD}-recv-dequantize-{layout}-{'split' if split else 'fused'}")
+            def rows(layout=layout, split=split):
+                got = {}
+                with AllToAll(cfg, backend=BACKEND, layout=layout) as a2a:
+                    for value in ("0", "1"):
+                        step = with_knob(value, lambda: dequantize_loop(a2a, mesh, split))
+                        xs, counts = step(x, idx, nt)
+                        got[value] = (mine(xs, 1), mine(counts, 1))
+                        a2a.check()
+                live_rows = 0
+                for r, want in got["0"][0].items():
+                    want, have = want[0], got["1"][0][r][0]
+                    counts = got["0"][1][r][0]
+                    np.testing.assert_array_equal(got["1"][1][r][0], counts)
+                    for i in range(DEQ_CYCLES):
+                        if layout == "packed":
+                            live = np.arange(want.shape[1]) < counts[i].sum()
+                        else:
+                            live = np.arange(want.shape[2])[None, :] < counts[i][:, None]
+                        w, h = want[i][live], have[i][live]
+                        assert np.isfinite(w.astype(np.float32)).all()
+                        bad = np.flatnonzero(w.view(np.uint16) != h.view(np.uint16))
+                        assert bad.size == 0, (
+                            f"rank {r} cycle {i}: {bad.size} of {w.size} values differ, first "
+                            f"{w.reshape(-1)[bad[0]]} (XLA) vs {h.reshape(-1)[bad[0]]} (kernel)")
+                        live_rows += int(live.sum())
+                return f"{live_rows} live rows over {DEQ_CYCLES} cycles, bit for bit"
+
+    @case(f"EP{WORLD}-recv-dequantize-moe-layer")
+    def layer():
+        lcfg = MoELayerConfig(num_experts=2 * WORLD, experts_per_token=4, hidden=1024,
+                              ffn=512, max_num_tokens=16, fp8_dispatch=True)
+        params = init_params(lcfg, 1)
+        pspecs = {k: (P("ep") if k in ("w_in", "w_out") else P()) for k in params}
+        dev = {k: put(mesh, v, pspecs[k]) for k, v in params.items()}
+        rng = np.random.default_rng(5)
+        m = lcfg.max_num_tokens
+        lx = put(mesh, rng.standard_normal((WORLD * m, lcfg.hidden)).astype(bf16))
+        lnt = put(mesh, rng.integers(0, m + 1, WORLD).astype(np.int32))
+        ys = {}
+        for layout in ("packed", "padded"):
+            with AllToAll(lcfg.comm_config(WORLD), backend=BACKEND, layout=layout) as a2a:
+                for value in ("0", "1"):
+                    step = with_knob(value, lambda: layer_step(a2a, lcfg, mesh, pspecs))
+                    ys[layout, value] = mine(step(dev, lx, lnt), m)
+                a2a.check()
+        worst = 0.0
+        for layout in ("packed", "padded"):
+            for r, y in ys[layout, "0"].items():
+                diff = np.abs(y.astype(np.float32)
+                              - ys[layout, "1"][r].astype(np.float32)).max()
+                assert diff == 0.0, f"rank {r} {layout}: y differs by {diff}"
+                worst = max(worst, float(np.abs(y.astype(np.float32)).max()))
+        return f"y equal on both layouts (max|y|={worst:.3g})"
 
 
 # -- capacity (issue 24) ----------------------------------------------------------------------

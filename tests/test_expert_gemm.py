@@ -187,8 +187,8 @@ def test_tokamax_missing_says_how_to_install(monkeypatch):
 
 
 def test_tokamax_implementation_names(monkeypatch):
-    """None is tokamax's own choice unless JMC_TOKAMAX_IMPL names one; ours, the persistent
-    Mosaic GPU kernel, comes first with tokamax's choices behind it (a refusal falls back)."""
+    """None is tokamax's own choice unless JMC_TOKAMAX_IMPL names one; tokamax's own names
+    pass through unchanged (kernel specs: below)."""
     monkeypatch.delenv("JMC_TOKAMAX_IMPL", raising=False)
     assert expert_gemm._tokamax_implementation(None) is None
     assert expert_gemm._tokamax_implementation("xla") == "xla"
@@ -197,16 +197,109 @@ def test_tokamax_implementation_names(monkeypatch):
     assert expert_gemm._tokamax_implementation("mosaic") == "mosaic"  # an explicit name wins
 
 
+# -- kernel specs ("mosaic:<spec>", JMC_TOKAMAX_IMPL) ------------------------------------------
+# tokamax 0.0.17's sm90 heuristic, as bench_gemm recorded it on the H200 (2026-12-05)
+SM90 = {"block_m": 64, "block_n": 64, "block_k": 128, "num_stages": 2, "split_k": 1,
+        "persistent": False, "grid_minor_dim": "m", "grid_tile_width": 1}
+
+
+def test_spec_defaults_are_tokamax_sm90_heuristic():
+    assert expert_gemm.TOKAMAX_SM90_DEFAULT == SM90
+    assert expert_gemm.parse_tokamax_spec("m64") == SM90
+
+
+@pytest.mark.parametrize("spec,changed", [
+    ("m128", {"block_m": 128}), ("m8", {"block_m": 8}), ("n128", {"block_n": 128}),
+    ("k256", {"block_k": 256}), ("s4", {"num_stages": 4}), ("p1", {"persistent": True}),
+    ("p0", {"persistent": False}), ("gn", {"grid_minor_dim": "n"}),
+    ("gm", {"grid_minor_dim": "m"}), ("w4", {"grid_tile_width": 4}),
+    ("m128s4p1", {"block_m": 128, "num_stages": 4, "persistent": True}),
+    ("p1s4m128", {"block_m": 128, "num_stages": 4, "persistent": True}),  # any order
+    ("m128n32k64s3p1gnw8", {"block_m": 128, "block_n": 32, "block_k": 64, "num_stages": 3,
+                            "persistent": True, "grid_minor_dim": "n", "grid_tile_width": 8}),
+])
+def test_spec_sets_each_letter_and_leaves_the_rest_at_the_defaults(spec, changed):
+    assert expert_gemm.parse_tokamax_spec(spec) == SM90 | changed
+
+
+@pytest.mark.parametrize("spec,why", [
+    ("", "empty"), ("x4", "unknown letter 'x' at position 0"),
+    ("m64q2", "unknown letter 'q' at position 3"), ("M64", "unknown letter 'M'"),
+    ("m64 s4", "unknown letter ' '"), ("m", "letter 'm' .block_m. has no number"),
+    ("s", "letter 's' .num_stages. has no number"), ("k-1", "letter 'k' .block_k. has no"),
+    ("m60", "m60: block_m must be a positive multiple of 8"), ("m0", "m0: block_m must be"),
+    ("n0", "n0: block_n must be >= 1"), ("s0", "s0: num_stages must be >= 1"),
+    ("w0", "w0: grid_tile_width must be >= 1"), ("p2", "p2: p takes 0 or 1"),
+    ("g", "g: g takes m or n"), ("gk", "gk: g takes m or n"), ("g1", "g1: g takes m or n"),
+    ("m64m128", "letter 'm' given twice"), ("p1s2p0", "letter 'p' given twice"),
+])
+def test_bad_specs_name_the_letter_and_the_grammar(spec, why):
+    with pytest.raises(ValueError, match=f"spec '{spec}': {why}.*m<block_m.*g<grid_minor_dim"):
+        expert_gemm.parse_tokamax_spec(spec)
+
+
+def test_spec_names(monkeypatch):
+    spec = expert_gemm.tokamax_spec
+    assert spec("mosaic:m128s4p1") == "m128s4p1" and spec("mosaic:") == ""
+    assert spec(expert_gemm.TOKAMAX_PERSISTENT) == "p1"
+    assert [spec(n) for n in (None, "mosaic", "xla", "triton", "m128")] == [None] * 5
+    # A bad spec fails before anything of tokamax is imported, saying where it came from.
+    monkeypatch.setenv("JMC_TOKAMAX_IMPL", "mosaic:m128x")
+    with pytest.raises(ValueError, match="JMC_TOKAMAX_IMPL='mosaic:m128x': .*unknown letter 'x'"):
+        expert_gemm._tokamax_implementation(None)
+    with pytest.raises(ValueError, match="implementation='mosaic:p3': .*p takes 0 or 1"):
+        expert_gemm._tokamax_implementation("mosaic:p3")
+    with pytest.raises(ValueError, match="implementation='mosaic:': .*empty"):
+        expert_gemm._tokamax_implementation("mosaic:")
+
+
+def _config(**fields):
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu_common as common
+    fields = SM90 | fields
+    fields["grid_minor_dim"] = common.MatmulDimension[fields["grid_minor_dim"].upper()]
+    return common.Config(**fields)
+
+
 @needs_tokamax
-def test_tokamax_persistent_is_the_mosaic_kernel_persistent_then_tokamax_choices():
-    first, *rest = expert_gemm._tokamax_implementation(expert_gemm.TOKAMAX_PERSISTENT)
-    assert type(first).__name__ == "PallasMosaicGpuRaggedDot" and first.config.persistent
+@pytest.mark.parametrize("name,env,want", [
+    ("mosaic:m128s4p1", None, {"block_m": 128, "num_stages": 4, "persistent": True}),
+    ("mosaic:gnw2k256n128", None, {"grid_minor_dim": "n", "grid_tile_width": 2,
+                                   "block_k": 256, "block_n": 128}),
+    (None, "mosaic:m128s4p1", {"block_m": 128, "num_stages": 4, "persistent": True}),
+    (None, "mosaic_persistent", {"persistent": True}),
+    ("mosaic:m64", "mosaic:m128", {}),  # an explicit name wins over the environment's
+    (expert_gemm.TOKAMAX_PERSISTENT, None, {"persistent": True}),
+])
+def test_spec_implementation_is_the_mosaic_kernel_with_that_config_then_fallbacks(
+        name, env, want, monkeypatch):
+    if env is None:
+        monkeypatch.delenv("JMC_TOKAMAX_IMPL", raising=False)
+    else:
+        monkeypatch.setenv("JMC_TOKAMAX_IMPL", env)
+    first, *rest = expert_gemm._tokamax_implementation(name)
+    assert type(first).__name__ == "PallasMosaicGpuRaggedDot"
+    assert first.config == _config(**want)
     assert rest == ["mosaic", "xla"]
+
+
+@needs_tokamax
+def test_tokamax_persistent_is_its_former_config():
+    """TOKAMAX_PERSISTENT, once a Config of its own, is now the spec "p1": the same Config."""
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu_common as common
+    before = common.Config(block_m=64, block_n=64, block_k=128, num_stages=2, split_k=1,
+                           persistent=True, grid_minor_dim=common.MatmulDimension.M,
+                           grid_tile_width=1)
+    assert expert_gemm._tokamax_implementation(expert_gemm.TOKAMAX_PERSISTENT)[0].config == before
+
+
+@needs_tokamax
+@pytest.mark.parametrize("name", [expert_gemm.TOKAMAX_PERSISTENT, "mosaic:m128s4p1gn"])
+def test_a_spec_the_kernel_refuses_falls_back_and_computes(name):
     # Where its kernel cannot run (here: no GPU) the layer still computes, on the fallbacks.
-    x, w_in, w_out, g, live = padded_data()
+    x, w_in, w_out, _, live = padded_data()
     want = expert_gemm.expert_mlp(x, jnp.asarray(COUNTS), w_in, w_out, "einsum")
     got = expert_gemm.tokamax_mlp(to_packed(x, live), jnp.asarray(COUNTS), w_in, w_out,
-                                  implementation=expert_gemm.TOKAMAX_PERSISTENT)
+                                  implementation=name)
     np.testing.assert_allclose(np.asarray(to_packed(want, live)[: live.sum()], np.float32),
                                np.asarray(got[: live.sum()], np.float32), rtol=2e-2, atol=2e-2)
 

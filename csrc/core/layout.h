@@ -37,6 +37,10 @@
 
 namespace jmc {
 
+// fp8 payloads carry one f32 scale per this many elements (quant.py's SCALE_BLOCK); dispatch_recv
+// dequantizes in these blocks (core/fp8.cuh; its handler checks H == num_scales * this).
+constexpr int kScaleBlock = 128;
+
 struct Shape {
   int num_experts;
   int experts_per_token;  // k

@@ -37,13 +37,19 @@ ffi::Error recv_params(const Call& h, ffi::Result<ffi::AnyBuffer> expert_x,
                        ffi::Result<ffi::Buffer<ffi::S32>> expert_num_tokens,
                        ffi::Result<ffi::Buffer<ffi::S32>> row_source,
                        ffi::Result<ffi::Buffer<ffi::F32>> expert_weights,
-                       ffi::Result<ffi::Buffer<ffi::S32>> dropped_rows, DispatchRecvParams* p) {
+                       ffi::Result<ffi::Buffer<ffi::S32>> dropped_rows, bool dequantize,
+                       DispatchRecvParams* p) {
   const Shape& s = h->shape;
   const size_t rows = s.output_rows();  // [L, R] padded, [C] packed
+  if (dequantize && (s.in_elem_bytes != 1 || s.hidden != s.num_scales * kScaleBlock))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "dispatch_recv: dequantize is for fp8 handles with one scale per " +
+                          std::to_string(kScaleBlock) + " elements");
+  // dequantize: bf16 rows, no scales
   JMC_RETURN_IF_ERROR(check_bytes("expert_x", expert_x->size_bytes(),
-                                  rows * s.hidden * s.in_elem_bytes));
+                                  rows * s.hidden * (dequantize ? 2 : s.in_elem_bytes)));
   JMC_RETURN_IF_ERROR(check_bytes("expert_x_scale", expert_x_scale->size_bytes(),
-                                  rows * s.num_scales * 4));
+                                  dequantize ? 0 : rows * s.num_scales * 4));
   JMC_RETURN_IF_ERROR(check_bytes("expert_num_tokens", expert_num_tokens->size_bytes(),
                                   size_t(s.num_local_experts()) * 4));
   JMC_RETURN_IF_ERROR(check_bytes("row_source", row_source->size_bytes(),
@@ -52,9 +58,10 @@ ffi::Error recv_params(const Call& h, ffi::Result<ffi::AnyBuffer> expert_x,
   JMC_RETURN_IF_ERROR(check_bytes("dropped_rows", dropped_rows->size_bytes(), 4));
   *p = DispatchRecvParams{
       h->common(), static_cast<uint8_t*>(expert_x->untyped_data()),
-      s.num_scales ? static_cast<float*>(expert_x_scale->untyped_data()) : nullptr,
+      s.num_scales && !dequantize ? static_cast<float*>(expert_x_scale->untyped_data())
+                                  : nullptr,
       expert_num_tokens->typed_data(), row_source->typed_data(), expert_weights->typed_data(),
-      dropped_rows->typed_data()};
+      dropped_rows->typed_data(), dequantize};
   return ffi::Error::Success();
 }
 
@@ -76,12 +83,12 @@ ffi::Error DispatchRecv(cudaStream_t stream, int64_t handle, ffi::AnyBuffer tick
                         ffi::Result<ffi::Buffer<ffi::S32>> expert_num_tokens,
                         ffi::Result<ffi::Buffer<ffi::S32>> row_source,
                         ffi::Result<ffi::Buffer<ffi::F32>> expert_weights,
-                        ffi::Result<ffi::Buffer<ffi::S32>> dropped_rows) {
+                        ffi::Result<ffi::Buffer<ffi::S32>> dropped_rows, bool dequantize) {
   Call h;
   JMC_RETURN_IF_ERROR(begin(handle, Op::kDispatchRecv, &h));
   DispatchRecvParams p;
   JMC_RETURN_IF_ERROR(recv_params(h, expert_x, expert_x_scale, expert_num_tokens, row_source,
-                                  expert_weights, dropped_rows, &p));
+                                  expert_weights, dropped_rows, dequantize, &p));
   JMC_RETURN_IF_CUDA_ERROR(launch_dispatch_recv(p, h->launch[kDispatchRecvKernel], stream));
   return ffi::Error::Success();
 }
@@ -96,14 +103,14 @@ ffi::Error Dispatch(cudaStream_t stream, int64_t handle, ffi::AnyBuffer x,
                     ffi::Result<ffi::Buffer<ffi::S32>> expert_num_tokens,
                     ffi::Result<ffi::Buffer<ffi::S32>> row_source,
                     ffi::Result<ffi::Buffer<ffi::F32>> expert_weights,
-                    ffi::Result<ffi::Buffer<ffi::S32>> dropped_rows) {
+                    ffi::Result<ffi::Buffer<ffi::S32>> dropped_rows, bool dequantize) {
   Call h;
   JMC_RETURN_IF_ERROR(begin(handle, Op::kDispatch, &h));
   DispatchSendParams send;
   DispatchRecvParams recv;
   JMC_RETURN_IF_ERROR(send_params(h, x, x_scale, indices, weights, num_tokens, &send));
   JMC_RETURN_IF_ERROR(recv_params(h, expert_x, expert_x_scale, expert_num_tokens, row_source,
-                                  expert_weights, dropped_rows, &recv));
+                                  expert_weights, dropped_rows, dequantize, &recv));
   const Launch fused = h->fused_launch[kFusedDispatch];
   if (fused.num_blocks > 0) {
     JMC_RETURN_IF_CUDA_ERROR(launch_dispatch(send, recv, fused, stream));
@@ -138,7 +145,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kDispatchRecv, DispatchRecv,
                                   .Ret<ffi::Buffer<ffi::S32>>()    // expert_num_tokens
                                   .Ret<ffi::Buffer<ffi::S32>>()    // row_source
                                   .Ret<ffi::Buffer<ffi::F32>>()    // expert_weights
-                                  .Ret<ffi::Buffer<ffi::S32>>(),  // dropped_rows
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // dropped_rows
+                                  .Attr<bool>("dequantize"),  // fp8 rows out as bf16
                               JMC_GRAPH_SAFE);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kDispatch, Dispatch,
@@ -155,7 +163,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kDispatch, Dispatch,
                                   .Ret<ffi::Buffer<ffi::S32>>()    // expert_num_tokens
                                   .Ret<ffi::Buffer<ffi::S32>>()    // row_source
                                   .Ret<ffi::Buffer<ffi::F32>>()    // expert_weights
-                                  .Ret<ffi::Buffer<ffi::S32>>(),  // dropped_rows
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // dropped_rows
+                                  .Attr<bool>("dequantize"),  // fp8 rows out as bf16
                               JMC_GRAPH_SAFE);
 
 }  // namespace jmc

@@ -2,6 +2,7 @@
 //
 // 1. Outputs: expert_x, expert_x_scale (fp8), expert_weights f32 and row_source
 //    (pack_source(group, token, slot)) per row, expert_num_tokens [L], dropped_rows [1].
+//    With p.dequantize (fp8 only) expert_x is bf16 (payload times scales) and no scales.
 //    Padded (Shape::packed_rows == 0): [L, P, ...], expert e's rows at e * P, P the
 //    per-expert capacity (expert_rows; R = max_m * G, the worst case, by default); rows past
 //    the count are undefined. Packed: [C, ...] with C = packed_rows, expert 0's rows, then
@@ -37,6 +38,7 @@
 //    remaining records are skipped, no ack is sent, and on a poisoned handle every count is 0.
 #pragma once
 
+#include "core/fp8.cuh"
 #include "core/protocol.cuh"
 #include "core/vec.cuh"
 
@@ -211,13 +213,19 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
         const int from = __ffs(todo) - 1;  // the lane of the next local slot
         const int out_row = __shfl_sync(0xffffffffu, at, from);
         if (out_row < capacity) {  // (past a capacity the row is dropped, its source kept)
-          warp_copy(p.expert_x + static_cast<size_t>(out_row) * sym.record.payload_bytes,
-                    rec + sym.record.header_bytes, sym.record.payload_bytes, w.lane);
-          if (p.expert_x_scale != nullptr)
-            warp_copy_floats(p.expert_x_scale + static_cast<size_t>(out_row) * s.num_scales,
-                             reinterpret_cast<const float*>(rec + sym.record.header_bytes +
-                                                            sym.record.payload_bytes),
-                             s.num_scales, w.lane);
+          const uint8_t* payload = rec + sym.record.header_bytes;
+          const float* scales = reinterpret_cast<const float*>(payload +
+                                                               sym.record.payload_bytes);
+          if (p.dequantize) {
+            warp_dequantize_fp8(p.expert_x + static_cast<size_t>(out_row) * s.hidden * 2,
+                                payload, scales, s.hidden, w.lane);
+          } else {
+            warp_copy(p.expert_x + static_cast<size_t>(out_row) * sym.record.payload_bytes,
+                      payload, sym.record.payload_bytes, w.lane);
+            if (p.expert_x_scale != nullptr)
+              warp_copy_floats(p.expert_x_scale + static_cast<size_t>(out_row) * s.num_scales,
+                               scales, s.num_scales, w.lane);
+          }
           if (w.lane == from) p.expert_weights[out_row] = j0 == 0 ? weight0 : header_weights[j];
         }
         if (w.lane == from) p.row_source[out_row] = pack_source(g, t, j, s.max_num_tokens, k);

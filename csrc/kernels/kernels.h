@@ -112,12 +112,15 @@ struct DispatchSendParams {
 // Rows: Shape::output_rows() ([L, R] padded, [C] packed); row_source: row_source_entries().
 struct DispatchRecvParams {
   CommonParams c;
-  uint8_t* expert_x;           // [rows, H]
-  float* expert_x_scale;       // [rows, S] or nullptr
+  uint8_t* expert_x;           // [rows, H] dispatch dtype, or bf16 when dequantize
+  float* expert_x_scale;       // [rows, S] or nullptr (always nullptr when dequantize)
   int32_t* expert_num_tokens;  // [L]
   int32_t* row_source;         // pack_source(...) of each row, then of each dropped row
   float* expert_weights;       // [rows] weight of the slot that made the row
   int32_t* dropped_rows;       // [1] rows dropped past a capacity this cycle
+  // fp8 handles: write each row as bf16, payload times its block scales (core/fp8.cuh),
+  // instead of the fp8 payload and the scales. A call's attribute, the same at every replay.
+  bool dequantize;
 };
 
 struct CombineSendParams {

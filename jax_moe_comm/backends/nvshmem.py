@@ -106,6 +106,8 @@ class NvshmemBackend:
     name = "nvshmem"
     checks_after_close = True  # check() reports a launch replayed after close() (kStaleLaunch)
     fused_ops = True  # dispatch() and combine(): both halves in one launch (autodiff.py)
+    # dispatch_recv(dequantize=True): the kernel writes fp8 rows out as bf16 (autodiff.py)
+    dequantizes_on_recv = True
 
     def __init__(self, cfg: MoEConfig, axis_name, tuning: KernelTuning,
                  timeout_s: float = DEFAULT_TIMEOUT_S, layout: str = "padded",
@@ -203,20 +205,21 @@ class NvshmemBackend:
             return cfg.max_recv_total
         return int(np.prod(self._rows())) + (cfg.max_recv_total if self._can_drop() else 0)
 
-    def _recv_results(self, like):
+    def _recv_results(self, like, dequantize):
         cfg = self.cfg
         rows, L = self._rows(), cfg.num_local_experts
         sources = (self._sources(),)
-        return (result_type(like, rows + (cfg.hidden,), cfg.dispatch_dtype),
-                result_type(like, rows + (cfg.num_scales,), jnp.float32),
+        return (result_type(like, rows + (cfg.hidden,),
+                            jnp.bfloat16 if dequantize else cfg.dispatch_dtype),
+                result_type(like, rows + (0 if dequantize else cfg.num_scales,), jnp.float32),
                 result_type(like, (L,), jnp.int32),
                 result_type(like, sources, jnp.int32),
                 result_type(like, rows, jnp.float32),
                 result_type(like, (1,), jnp.int32))
 
-    def _recv_outputs(self, outputs):
+    def _recv_outputs(self, outputs, dequantize):
         expert_x, scale, counts, source, expert_w, dropped = outputs
-        return (expert_x, (scale if self.cfg.is_fp8 else None), counts,
+        return (expert_x, (scale if self.cfg.is_fp8 and not dequantize else None), counts,
                 Routing(counts, source, dropped), expert_w, dropped)
 
     def dispatch_send(self, x, x_scale, indices, num_tokens, weights=None):
@@ -224,17 +227,21 @@ class NvshmemBackend:
                           *self._send_operands(x, x_scale, indices, num_tokens, weights),
                           side_effect=True)
 
-    def dispatch_recv(self, ticket):
+    def dispatch_recv(self, ticket, dequantize=False):
         """(expert_x, expert_x_scale | None, expert_num_tokens, routing, expert_weights,
-        dropped_rows (1,)), in the handle's layout."""
-        return self._recv_outputs(self._call("jmc_dispatch_recv", self._recv_results(ticket),
-                                             ticket, side_effect=True))
+        dropped_rows (1,)), in the handle's layout. dequantize (fp8 handles): the kernel
+        writes expert_x as bf16, payload times its block scales, and no scales; rows past the
+        counts stay undefined (no XLA pass over the whole buffer)."""
+        return self._recv_outputs(self._call(
+            "jmc_dispatch_recv", self._recv_results(ticket, dequantize), ticket,
+            side_effect=True, dequantize=bool(dequantize)), dequantize)
 
-    def dispatch(self, x, x_scale, indices, num_tokens, weights=None):
+    def dispatch(self, x, x_scale, indices, num_tokens, weights=None, dequantize=False):
         """dispatch_send + dispatch_recv in one launch; dispatch_recv's results."""
         return self._recv_outputs(self._call(
-            "jmc_dispatch", self._recv_results(x),
-            *self._send_operands(x, x_scale, indices, num_tokens, weights), side_effect=True))
+            "jmc_dispatch", self._recv_results(x, dequantize),
+            *self._send_operands(x, x_scale, indices, num_tokens, weights), side_effect=True,
+            dequantize=bool(dequantize)), dequantize)
 
     def combine_send(self, expert_y, routing: Routing):
         return self._call("jmc_combine_send", self._ticket(expert_y), expert_y,
