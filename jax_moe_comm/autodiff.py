@@ -60,7 +60,8 @@ runs the primal): on the nvshmem backend they hold stale data, and the expert la
 gradient would multiply it by the zero cotangent of those rows (NaN * 0 = NaN). Inference
 handles leave them undefined (zeroing them costs L*R*H bytes of writes per call, 235 MB at R1).
 The fp8 dequantising path masks them always when XLA dequantizes (it writes every row anyway);
-when the receive kernel does (JMC_RECV_DEQUANTIZE=1), only differentiable handles mask them.
+when the receive kernel does (JMC_RECV_DEQUANTIZE=1 when the handle was created), only
+differentiable handles mask them.
 
 fp8: bf16 x given to an fp8 handle is quantized inside (1x128 blocks, quant.quantize), sent as
 fp8 and dequantised on arrival to bf16 `expert_x`; its gradient is the straight-through one,
@@ -131,6 +132,8 @@ class Plan:
     fwd: Any
     dispatch_grad: Any | None = None  # combine half carries d x (forward dp_size and rows)
     combine_grad: Any | None = None  # dispatch half carries dy (dp_size 1, worst case)
+    # fwd dequantizes fp8 rows in its receive kernel (recv_dequantizes, at the handle's birth)
+    recv_dequantize: bool = False
 
     @property
     def differentiable(self) -> bool:
@@ -254,14 +257,16 @@ RECV_DEQUANTIZE_ENV = "JMC_RECV_DEQUANTIZE"
 
 
 def recv_dequantizes(backend) -> bool:
-    """Whether dispatch_recv asks `backend` for bf16 rows (read at trace time)."""
+    """Whether a handle made now on `backend` asks it for bf16 rows. Read once, when the
+    handle is created (Plan.recv_dequantize): dispatch_recv is jitted per plan, so a setting
+    read while tracing would stick to the handle's first trace."""
     return (bool(getattr(type(backend), "dequantizes_on_recv", False))
             and os.environ.get(RECV_DEQUANTIZE_ENV, "0") == "1")
 
 
 def _dispatch_out(plan: Plan, dequantize: bool, has_weights: bool, state):
     state = no_vmap("dispatch_recv", state)[0]
-    in_kernel = dequantize and recv_dequantizes(plan.fwd)
+    in_kernel = dequantize and plan.recv_dequantize
     more = dict(dequantize=True) if in_kernel else {}
     if isinstance(state, FusedDispatch):
         ex, scale, counts, routing, ew, dropped = plan.fwd.dispatch(

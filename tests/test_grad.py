@@ -25,7 +25,7 @@ from jax.test_util import check_grads
 
 from cases import Case
 
-from jax_moe_comm import AllToAll, autodiff, quant
+from jax_moe_comm import AllToAll, autodiff
 from jax_moe_comm import testing as T
 from jax_moe_comm.moe import MoELayerConfig, init_params
 from jax_moe_comm.testing import DispatchSum
@@ -128,52 +128,6 @@ class FusedShuffledBackend(ShuffledBackend):
 class FusedShuffledAllToAll(AllToAll):
     def _make_backend(self, *args):
         return FusedShuffledBackend(super()._make_backend(*args), seed=len(self._backends))
-
-
-def _dequantized(ex, exs, counts, calls):
-    """What the nvshmem receive kernel writes with dequantize=True: bf16 rows, payload times
-    block scales rounded once from f32 (as XLA's quant.dequantize), and, past the counts,
-    whatever is there: NaN here."""
-    calls["dequantize"] += 1
-    deq = quant.dequantize(ex, exs).astype(bf16)
-    if ex.ndim == 2:
-        live = jnp.arange(ex.shape[0]) < jnp.sum(counts)
-    else:
-        live = jnp.arange(ex.shape[1])[None, :] < counts[:, None]
-    return jnp.where(_expand(live, deq), deq, jnp.asarray(jnp.nan, bf16))
-
-
-class RecvDequantizingBackend(FusedShuffledBackend):
-    """FusedShuffledBackend that dequantizes fp8 rows on receive when asked, as the nvshmem
-    backend's kernels do under JMC_RECV_DEQUANTIZE=1; shuffle=False keeps the reference's row
-    order (to compare expert_x row for row)."""
-
-    dequantizes_on_recv = True
-
-    def __init__(self, inner, seed=0, shuffle=True):
-        super().__init__(inner, seed)
-        self.shuffle = shuffle
-
-    def dispatch_recv(self, pending, dequantize=False):
-        recv = super().dispatch_recv if self.shuffle else self.inner.dispatch_recv
-        ex, exs, counts, routing, ew, dropped = recv(pending)
-        if dequantize:
-            ex, exs = _dequantized(ex, exs, counts, self.fused_calls), None
-        return ex, exs, counts, routing, ew, dropped
-
-    def dispatch(self, x, x_scale, indices, num_tokens, weights=None, dequantize=False):
-        self.fused_calls["dispatch"] += 1
-        return self.dispatch_recv(self.inner.dispatch_send(x, x_scale, indices, num_tokens,
-                                                           weights=weights), dequantize)
-
-
-def recv_dequantizing_all_to_all(cfg, shuffle=True, **kw):
-    class RecvDequantizingAllToAll(AllToAll):
-        def _make_backend(self, *args):
-            return RecvDequantizingBackend(super()._make_backend(*args),
-                                           seed=len(self._backends), shuffle=shuffle)
-
-    return RecvDequantizingAllToAll(cfg, **kw)
 
 
 # -- cases ----------------------------------------------------------------------------------
@@ -364,51 +318,6 @@ def test_fused_ops_reach_the_backend_with_the_same_results_and_gradients(case):
     assert dict(a2a.backend.fused_calls) == calls
 
 
-@pytest.mark.parametrize("layout", ["packed", "padded"])
-@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
-def test_recv_dequantize_asks_the_backend_and_changes_no_value(monkeypatch, layout, split):
-    """JMC_RECV_DEQUANTIZE=1: a backend that can dequantize on receive is asked to (fused and
-    split dispatch), XLA's pass is skipped, and the live rows are bit for bit those of XLA's
-    pass; without it the backend is never asked."""
-    cfg = EP4_FP8.cfg()
-    mesh = T.make_mesh(EP4_FP8.ep)
-    inp = T.make_inputs(cfg, 23, "duplicates")
-    x = _global(mesh, _flat(T.differentiable_x(cfg, inp)))
-    idx, nt = _global(mesh, _flat(inp.indices)), _global(mesh, inp.num_tokens)
-
-    def run(env):
-        monkeypatch.setenv(autodiff.RECV_DEQUANTIZE_ENV, env)
-        a2a = recv_dequantizing_all_to_all(cfg, shuffle=False, layout=layout)
-
-        def body(x, idx, nt):
-            nt = nt.reshape(())
-            if split:
-                out = a2a.dispatch_recv(a2a.dispatch_send(x, idx, nt))
-            else:
-                out = a2a.dispatch(x, idx, nt)
-            assert out.expert_x.dtype == bf16 and out.expert_x_scale is None
-            return out.expert_x[None], out.expert_num_tokens[None]
-
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3,
-                                  out_specs=(P("ep"), P("ep"))))
-        ex, counts = (np.asarray(v) for v in f(x, idx, nt))
-        return ex, counts, a2a.backend.fused_calls["dequantize"]
-
-    ex_xla, counts, asked = run("0")
-    assert asked == 0
-    ex_kernel, counts_kernel, asked = run("1")
-    assert asked == 1
-    np.testing.assert_array_equal(counts_kernel, counts)
-    for rank in range(EP4_FP8.ep):
-        if layout == "packed":
-            live = np.arange(ex_xla.shape[1]) < counts[rank].sum()
-        else:
-            live = np.arange(ex_xla.shape[2])[None, :] < counts[rank][:, None]
-        want, got = ex_xla[rank][live], ex_kernel[rank][live]
-        assert want.size and np.isfinite(want.astype(np.float32)).all()
-        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
-
-
 @pytest.mark.parametrize("mutation", ["every slot's d x on every DP member",
                                       "d expert_y not scaled by the weight",
                                       "d weights from the wrong slot row"])
@@ -468,26 +377,6 @@ def test_layer_gradients_equal_dense(name):
     x, nt, G, drop = T.layer_grad_inputs(cfg, world, 5 + layers, drop_rate)
     assert (nt < cfg.max_num_tokens).any() and (drop.any() or drop_rate == 0)
     moe = T.run_layer_grads(a2a, cfg, mesh, params, x, nt, G, drop, remat)
-    dense = T.dense_layer_grads(cfg, params, x, nt, G, drop)
-    T.compare_layer_grads(*moe, *dense, range(world), cfg.num_experts // world, cfg.dp_size)
-
-
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_recv_dequantize_keeps_differentiable_padding_zero(monkeypatch, layout):
-    """With the kernel dequantizing (NaN past the counts: its rows are undefined there), a
-    differentiable handle still zeroes the padding rows, so the fp8 layer's gradients equal
-    the dense layer's (a NaN row times its zero cotangent would poison the expert weights'
-    gradients, which the experts' GEMM sums over every row)."""
-    monkeypatch.setenv(autodiff.RECV_DEQUANTIZE_ENV, "1")
-    cfg, drop_rate, _, _ = LAYER_CASES["fp8"]
-    world = 8
-    mesh = T.make_mesh(world)
-    a2a = recv_dequantizing_all_to_all(cfg.comm_config(world), differentiable=True,
-                                       layout=layout)
-    params = [init_params(cfg, 0)]
-    x, nt, G, drop = T.layer_grad_inputs(cfg, world, 6, drop_rate)
-    moe = T.run_layer_grads(a2a, cfg, mesh, params, x, nt, G, drop)
-    assert a2a.backend.fused_calls["dequantize"] >= 1
     dense = T.dense_layer_grads(cfg, params, x, nt, G, drop)
     T.compare_layer_grads(*moe, *dense, range(world), cfg.num_experts // world, cfg.dp_size)
 

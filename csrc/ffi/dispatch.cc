@@ -45,6 +45,9 @@ ffi::Error recv_params(const Call& h, ffi::Result<ffi::AnyBuffer> expert_x,
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "dispatch_recv: dequantize is for fp8 handles with one scale per " +
                           std::to_string(kScaleBlock) + " elements");
+  if (dequantize && expert_x->element_type() != ffi::DataType::BF16)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "dispatch_recv: dequantize writes bf16 expert_x");
   // dequantize: bf16 rows, no scales
   JMC_RETURN_IF_ERROR(check_bytes("expert_x", expert_x->size_bytes(),
                                   rows * s.hidden * (dequantize ? 2 : s.in_elem_bytes)));
