@@ -56,7 +56,20 @@ def _cuda_rdc_objects_impl(ctx):
         obj = ctx.actions.declare_file("_objs/{}/{}.o".format(ctx.label.name, stem.rsplit(".", 1)[0]))
         args = ctx.actions.args()
         args.add_all(flags)
-        args.add_all(["-x", "cu", "-rdc=true", "-c", src.path, "-o", obj.path])
+
+        # Intermediates beside the object, not in /tmp: Bazel 4's linux-sandbox shares /tmp and
+        # gives each action its own PID namespace, so parallel nvccs (each pid 2) wrote the same
+        # /tmp/tmpxft_00000002_* files ("cannot open source file ...cpp4.ii", CI 2026-12-05).
+        args.add_all([
+            "-x",
+            "cu",
+            "-rdc=true",
+            "--objdir-as-tempdir",
+            "-c",
+            src.path,
+            "-o",
+            obj.path,
+        ])
         ctx.actions.run(
             executable = ctx.executable.nvcc,
             arguments = [args],

@@ -56,6 +56,7 @@ that a run cut short keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import inspect
@@ -109,7 +110,9 @@ def parse(argv=None):
                    "prefill rows (run after the decode and capacity rows)")
     p.add_argument("--layouts", default="padded,packed")
     p.add_argument("--expert-gemm", default="einsum,tokamax,masked,ragged_dot",
-                   help=f"options (expert_gemm.OPTIONS {G.OPTIONS}) in priority order")
+                   help=f"options (expert_gemm.OPTIONS {G.OPTIONS}) in priority order; "
+                   "tokamax@<kernel spec> (e.g. tokamax@m128s2p1) runs tokamax with "
+                   "JMC_TOKAMAX_IMPL=mosaic:<spec> for that row")
     p.add_argument("--defer", default="masked,ragged_dot",
                    help="options run only after every other row")
     p.add_argument("--all-combos", action="store_true", help="every option on every layout "
@@ -293,6 +296,14 @@ class Case:
         return "decode" if self.tokens <= DECODE_MAX_TOKENS else "prefill"
 
     @property
+    def option(self) -> str:  # the layer's expert_gemm: a "tokamax@<spec>" row runs "tokamax"
+        return self.gemm.split("@")[0]
+
+    @property
+    def tokamax_impl(self) -> str | None:  # JMC_TOKAMAX_IMPL while a "tokamax@<spec>" row runs
+        return G.TOKAMAX_SPEC_PREFIX + self.gemm.split("@", 1)[1] if "@" in self.gemm else None
+
+    @property
     def group(self):  # what shares one handle and one comm-only measurement
         return (self.config, self.tokens, self.layout, self.capacity, self.overflow, self.skew)
 
@@ -302,12 +313,42 @@ def supported(case: Case) -> bool:
     return EXPERT_CAPACITY if case.layout == "padded" else CAPACITY
 
 
+def check_gemm(gemm: str) -> str:
+    """An --expert-gemm entry: an expert_gemm option, or "tokamax@<spec>" (tokamax with that
+    kernel spec, expert_gemm.TOKAMAX_SPEC_GRAMMAR); returns the option."""
+    option, _, spec = gemm.partition("@")
+    G.check_option(option)
+    if spec or "@" in gemm:
+        if option != "tokamax":
+            raise ValueError(f"--expert-gemm {gemm!r}: only tokamax takes @<kernel spec>")
+        G.parse_tokamax_spec(spec)
+    return option
+
+
+@contextlib.contextmanager
+def tokamax_impl(case: "Case"):
+    """JMC_TOKAMAX_IMPL set to the case's kernel spec while it runs (expert_gemm resolves it
+    at each trace), restored after; nothing for other rows."""
+    if case.tokamax_impl is None:
+        yield
+        return
+    old = os.environ.get("JMC_TOKAMAX_IMPL")
+    os.environ["JMC_TOKAMAX_IMPL"] = case.tokamax_impl
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("JMC_TOKAMAX_IMPL")
+        else:
+            os.environ["JMC_TOKAMAX_IMPL"] = old
+
+
 def combos(args):
     out = []
     for gemm in args.expert_gemm.split(","):
-        G.check_option(gemm)
+        option = check_gemm(gemm)
         for layout in args.layouts.split(","):
-            native = G.NATIVE_LAYOUT.get(G.resolve(gemm, layout=layout))
+            native = G.NATIVE_LAYOUT.get(G.resolve(option, layout=layout))
             if args.all_combos or gemm == "einsum" or native == layout:
                 out.append((layout, gemm))
     return out
@@ -334,6 +375,7 @@ def plan(args) -> list[Case]:
     else:
         padded_tokens = [int(t) for t in args.padded_capacity_tokens.split(",") if t]
     pg = args.padded_capacity_gemm
+    check_gemm(args.capacity_gemm)
     if args.capacity_factor > 0 or args.skew > 0:
         cf = args.capacity_factor
         for c in args.capacity_configs.split(","):
@@ -392,7 +434,7 @@ def predict_layer_s(case: Case, world: int, sharing: int, args) -> float:
     """Optimistic seconds per layer on this GPU: GEMM FLOPs at --peak-flops plus weights and
     dispatch buffers at --hbm-bps, times the ranks sharing the GPU."""
     s = shape_of(case, world)
-    g = G.resolve(case.gemm, layout=case.layout)
+    g = G.resolve(case.option, layout=case.layout)
     if g == "einsum":
         rows = s["L"] * s["P"]  # P = R unless a padded capacity
     elif g == "ragged_dot" or (g == "masked" and G.masked_inner() == "ragged_dot"):
@@ -519,7 +561,7 @@ class Bench:
         E, k, H, F = LAYERS[case.config]
         kw = dict(num_experts=E, experts_per_token=k, hidden=H, ffn=F,
                   max_num_tokens=case.tokens, fp8_dispatch=not self.args.bf16,
-                  shared_expert=self.args.shared_expert, expert_gemm=case.gemm)
+                  shared_expert=self.args.shared_expert, expert_gemm=case.option)
         if case.capacity and "capacity_factor" in LAYER_FIELDS:
             kw["capacity_factor"] = case.capacity
         return MoELayerConfig(**kw)
@@ -626,8 +668,8 @@ class Bench:
         E, k, H, F = LAYERS[case.config]
         return dict(config=case.config, num_experts=E, experts_per_token=k, hidden=H, ffn=F,
                     tokens_per_rank=case.tokens, phase=case.phase, layout=case.layout,
-                    expert_gemm=case.gemm,
-                    expert_gemm_resolved=G.resolve(case.gemm, layout=case.layout),
+                    expert_gemm=case.gemm, tokamax_impl=case.tokamax_impl,
+                    expert_gemm_resolved=G.resolve(case.option, layout=case.layout),
                     dispatch_dtype="bf16" if self.args.bf16 else "fp8",
                     capacity_factor=case.capacity or None, overflow=case.overflow or None,
                     skew=case.skew, kind=case.kind, wanted_capacity_factor=case.wanted or None,
@@ -746,7 +788,7 @@ class Bench:
         if not att.failed:
             row["finite"] = all(e["finite"] for e in errs)
             ref_key = (case.config, case.tokens, case.skew)
-            if case.layout == "padded" and G.resolve(case.gemm, layout="padded") == "einsum" \
+            if case.layout == "padded" and G.resolve(case.option, layout="padded") == "einsum" \
                     and not case.capacity:
                 self.refs[ref_key] = [np.asarray(s.data) for s in y.addressable_shards]
                 row["err"] = 0.0
@@ -896,7 +938,8 @@ class Bench:
             f"{'yes' if EXPERT_CAPACITY else 'no'} (padded), tokamax "
             f"{self.meta['tokamax_problem'] or 'ok'}", flush=True)
         for case in cases:
-            row = self.run_case(case)
+            with tokamax_impl(case):
+                row = self.run_case(case)
             row["elapsed_s"] = round(time.perf_counter() - T0, 1)
             self.rows.append(row)
             say(line(row), flush=True)

@@ -267,8 +267,8 @@ def _tokamax_implementation(name):
     JMC_TOKAMAX_IMPL if set), a tokamax name, or a kernel spec ("mosaic:<spec>" or a named
     one, e.g. TOKAMAX_PERSISTENT): tokamax's Mosaic GPU kernel with that Config first, then
     "mosaic" (tokamax's own config) and "xla" where it refuses a problem (NotImplementedError)."""
-    from_env = not name and bool(os.environ.get("JMC_TOKAMAX_IMPL"))
     name = name or os.environ.get("JMC_TOKAMAX_IMPL") or None
+    from_env = name is not None and name == os.environ.get("JMC_TOKAMAX_IMPL")
     spec = tokamax_spec(name)
     if spec is None:
         return name
@@ -353,6 +353,9 @@ def tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype=f32, implementation=None,
     # custom VJP must return each cotangent with its primal's type; autodiff of these casts
     # sums the weight gradients over the axes the weights do not vary over.
     x, w_in, w_out = (_vary_like(v, x, w_in, w_out) for v in (x, w_in, w_out))
+    # The environment's choice resolved here, not inside the cached builders below: they would
+    # keep the first value they saw (a later JMC_TOKAMAX_IMPL would not reach a new trace).
+    implementation = implementation or os.environ.get("JMC_TOKAMAX_IMPL") or None
     primal = _tokamax_primal(implementation)
     return grouped_vjp.grouped_mlp(x, group_sizes.astype(jnp.int32), w_in, w_out,
                                    jnp.dtype(out_dtype), _tokamax_dot(implementation), primal,

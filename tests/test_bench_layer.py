@@ -35,6 +35,8 @@ IMPLEMENTATIONS = {"xla": None, "mosaic_gpu": None}
 def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
                group_offset=None, activation=None, manual_axis_type=None, *,
                implementation=None, **kwargs):
+    if isinstance(implementation, tuple):  # a kernel spec's chain: its kernel, ..., "xla"
+        implementation = implementation[-1]
     if implementation not in (None, "mosaic", *IMPLEMENTATIONS):
         raise ValueError(f"Unknown implementation: {implementation}")
     out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
@@ -53,10 +55,40 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
                        preferred_element_type=None, *, implementation=None, **kwargs):
     """Right for every implementation (grouped_vjp's backward and its differentiated forward
     use it): only the primal ragged_dot of "mosaic" is wrong."""
+    if isinstance(implementation, tuple):
+        implementation = implementation[-1]
     if implementation not in (None, "mosaic", *IMPLEMENTATIONS):
         raise ValueError(f"Unknown implementation: {implementation}")
     return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers,
                                       preferred_element_type=preferred_element_type)
+'''
+
+# What expert_gemm builds a kernel spec's implementation from (tokamax's private modules).
+FAKE_MOSAIC = '''
+class PallasMosaicGpuRaggedDot:
+    def __init__(self, config=None):
+        self.config = config
+'''
+FAKE_MOSAIC_COMMON = '''
+import dataclasses
+import enum
+
+
+class MatmulDimension(enum.Enum):
+    M = 0
+    N = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_stages: int
+    split_k: int
+    persistent: bool
+    grid_minor_dim: MatmulDimension
+    grid_tile_width: int
 '''
 
 NO_CAPACITY_RUNNER = '''
@@ -88,6 +120,9 @@ def fake_site(tmp_path_factory):
         (pkg / sub / "__init__.py").write_text("")
     (pkg / "_src" / "ops" / "ragged_dot" / "api.py").write_text(
         "from tokamax import IMPLEMENTATIONS\n")
+    (pkg / "_src" / "ops" / "ragged_dot" / "pallas_mosaic_gpu.py").write_text(FAKE_MOSAIC)
+    (pkg / "_src" / "ops" / "ragged_dot" / "pallas_mosaic_gpu_common.py").write_text(
+        FAKE_MOSAIC_COMMON)
     (site / "no_capacity_runner.py").write_text(NO_CAPACITY_RUNNER)
     return str(site)
 
@@ -113,7 +148,8 @@ def layer_json(out_dir):
 def test_layer_smoke(tmp_path, fake_site):
     out = tmp_path / "out"
     run([LAYER, "--configs", "tiny", "--tokens", "4", "--layouts", "padded,packed",
-         "--expert-gemm", "einsum,tokamax", "--capacity-configs", "tiny", "--capacity-tokens",
+         "--expert-gemm", "einsum,tokamax,tokamax@m128p1", "--capacity-configs", "tiny",
+         "--capacity-tokens",
          "4", "--skew", "0.9", "--padded-capacity-tokens", "", "--commit", "smoke123", "--name",
          "smoke", "--out", str(out), *FAST], fake_site, tmp_path)
     run_ = layer_json(out)
@@ -128,7 +164,11 @@ def test_layer_smoke(tmp_path, fake_site):
     assert len(rows) == len(run_["rows"])
     plain = [rows[("padded", "einsum", None, 0.0, "layer")],
              rows[("packed", "einsum", None, 0.0, "layer")],
-             rows[("packed", "tokamax", None, 0.0, "layer")]]
+             rows[("packed", "tokamax", None, 0.0, "layer")],
+             rows[("packed", "tokamax@m128p1", None, 0.0, "layer")]]
+    # a kernel-spec row runs tokamax with JMC_TOKAMAX_IMPL set for it alone
+    assert [r["tokamax_impl"] for r in plain] == [None, None, None, "mosaic:m128p1"]
+    assert plain[3]["expert_gemm_resolved"] == "tokamax"
     for r in plain:
         assert r["status"] == "ok", r
         for key in ("loop_us", "comm_us", "step_us", "weight_read_us", "floor_us", "ratio"):

@@ -197,6 +197,25 @@ def test_tokamax_implementation_names(monkeypatch):
     assert expert_gemm._tokamax_implementation("mosaic") == "mosaic"  # an explicit name wins
 
 
+@needs_tokamax
+def test_a_changed_env_implementation_reaches_the_next_trace(monkeypatch):
+    """JMC_TOKAMAX_IMPL is resolved before tokamax_mlp's cached builders, so each new trace
+    sees the value of its time (bench_layer sets it per row), not the first one ever seen."""
+    seen = []
+    real_primal, real_dot = expert_gemm._tokamax_primal, expert_gemm._tokamax_dot
+    monkeypatch.setattr(expert_gemm, "_tokamax_primal",
+                        lambda impl=None: seen.append(("primal", impl)) or real_primal(impl))
+    monkeypatch.setattr(expert_gemm, "_tokamax_dot",
+                        lambda impl=None: seen.append(("dot", impl)) or real_dot(impl))
+    x, w_in, w_out, _, live = padded_data()
+    xp = to_packed(x, live)
+    for env in ("xla", "mosaic:m128p1"):
+        monkeypatch.setenv("JMC_TOKAMAX_IMPL", env)
+        jax.jit(lambda v: expert_gemm.tokamax_mlp(v, jnp.asarray(COUNTS), w_in, w_out))(xp)
+    assert seen == [("primal", "xla"), ("dot", "xla"), ("primal", "mosaic:m128p1"),
+                    ("dot", "mosaic:m128p1")], seen
+
+
 # -- kernel specs ("mosaic:<spec>", JMC_TOKAMAX_IMPL) ------------------------------------------
 # tokamax 0.0.17's sm90 heuristic, as bench_gemm recorded it on the H200 (2026-12-05)
 SM90 = {"block_m": 64, "block_n": 64, "block_k": 128, "num_stages": 2, "split_k": 1,
