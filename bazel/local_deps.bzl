@@ -171,7 +171,18 @@ def _jmc_local_deps_impl(rctx):
         if not rctx.path(f).exists:
             _fail(f + " in the linked directories " + str(links), "Reinstall that package.")
 
-    rctx.file("nvcc", "#!/bin/sh\nexec '{}/bin/nvcc' \"$@\"\n".format(cuda), executable = True)
+    # Each nvcc gets its own TMPDIR: Bazel 4's sandboxes share /tmp and give every action its
+    # own PID namespace, and nvcc names its host-compiler probe files after its pid, so two
+    # parallel actions (both pid 1 or 2) could truncate each other's (--objdir-as-tempdir in
+    # cuda.bzl keeps the compile's own intermediates beside the object; these it does not).
+    rctx.file("nvcc", (
+        "#!/bin/sh\n" +
+        "d=$(mktemp -d) || exit 1\n" +
+        "TMPDIR=$d '{}/bin/nvcc' \"$@\"\n" +
+        "rc=$?\n" +
+        "rm -rf \"$d\"\n" +
+        "exit $rc\n"
+    ).format(cuda), executable = True)
     rctx.file("WORKSPACE", "workspace(name = \"{}\")\n".format(rctx.name))
     rctx.file("BUILD.bazel", _BUILD.replace("{nvshmem}", found["nvshmem"]).replace(
         "{python}",

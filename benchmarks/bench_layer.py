@@ -343,6 +343,32 @@ def tokamax_impl(case: "Case"):
             os.environ["JMC_TOKAMAX_IMPL"] = old
 
 
+def spec_probe(case: "Case", world: int) -> dict:
+    """For a tokamax@<spec> row, per forward GEMM of the layer (packed rows at the case's
+    capacity): "spec" where tokamax's Mosaic GPU kernel takes the spec, else why not (tokamax
+    then falls back to its own config, and the row measures that). Traced only."""
+    d = shape_of(case, world)
+    out = {}
+    try:
+        tk = G._require_tokamax()
+        first = G._tokamax_implementation(case.tokamax_impl)[0]
+    except Exception as e:  # noqa: BLE001 -- recorded in the row, the same on every rank
+        return {"error": short(e)}
+    counts = jax.ShapeDtypeStruct((d["L"],), jnp.int32)
+    for gemm, (K, N) in (("w_in", (d["H"], d["F"])), ("w_out", (d["F"], d["H"]))):
+        lhs = jax.ShapeDtypeStruct((d["packed"], K), jnp.bfloat16)
+        rhs = jax.ShapeDtypeStruct((d["L"], K, N), jnp.bfloat16)
+        try:  # tokamax's own call with our kernel alone: it raises where it would fall back
+            jax.eval_shape(lambda a, b, g: tk.ragged_dot(a, b, g, preferred_element_type=bf16,
+                                                         implementation=(first,)),
+                           lhs, rhs, counts)
+            out[gemm] = "spec"
+        except Exception as e:  # noqa: BLE001
+            out[gemm] = ("refused: " if isinstance(e, NotImplementedError) else "fails: ") \
+                + short(e)[:200]
+    return out
+
+
 def combos(args):
     out = []
     for gemm in args.expert_gemm.split(","):
@@ -362,8 +388,9 @@ def plan(args) -> list[Case]:
     prefill = [t for t in tokens if t > DECODE_MAX_TOKENS]
     defer = set(filter(None, args.defer.split(",")))
     cs = combos(args)
-    first = [c for c in cs if c[1] not in defer]
-    later = [c for c in cs if c[1] in defer]
+    deferred = [c for c in cs if c[1] in defer or c[1].partition("@")[0] in defer]
+    first = [c for c in cs if c not in deferred]
+    later = deferred
 
     def rows(toks, which):
         return [Case(c, t, lay, g) for c in configs for t in toks for lay, g in which]
@@ -376,6 +403,7 @@ def plan(args) -> list[Case]:
         padded_tokens = [int(t) for t in args.padded_capacity_tokens.split(",") if t]
     pg = args.padded_capacity_gemm
     check_gemm(args.capacity_gemm)
+    check_gemm(pg)
     if args.capacity_factor > 0 or args.skew > 0:
         cf = args.capacity_factor
         for c in args.capacity_configs.split(","):
@@ -668,7 +696,12 @@ class Bench:
         E, k, H, F = LAYERS[case.config]
         return dict(config=case.config, num_experts=E, experts_per_token=k, hidden=H, ffn=F,
                     tokens_per_rank=case.tokens, phase=case.phase, layout=case.layout,
-                    expert_gemm=case.gemm, tokamax_impl=case.tokamax_impl,
+                    expert_gemm=case.gemm,
+                    # the kernel spec this row's tokamax ran with (its own, or the shell's)
+                    tokamax_impl=case.tokamax_impl or (
+                        os.environ.get("JMC_TOKAMAX_IMPL")
+                        if G.resolve(case.option, layout=case.layout) in G.NEEDS_TOKAMAX
+                        else None),
                     expert_gemm_resolved=G.resolve(case.option, layout=case.layout),
                     dispatch_dtype="bf16" if self.args.bf16 else "fp8",
                     capacity_factor=case.capacity or None, overflow=case.overflow or None,
@@ -678,6 +711,8 @@ class Bench:
     def run_case(self, case: Case) -> dict:
         row = self.row_base(case)
         world, args = self.world, self.args
+        if case.tokamax_impl:  # did tokamax's kernel take the spec, or fall back?
+            row["tokamax_spec_probe"] = spec_probe(case, world)
         if case.kind == "fail_check" and not supported(case):
             row.update(status="skipped", error=NO_CAPACITY)
             return row
@@ -960,7 +995,7 @@ def mib(v):
 
 def line(r):
     return (f"{r['config']:6s} T={r['tokens_per_rank']:5d} {r['layout']:6s} "
-            f"{r['expert_gemm']:10s} cf={r['capacity_factor'] or '-'} skew={r['skew']} "
+            f"{r['expert_gemm']:16s} cf={r['capacity_factor'] or '-'} skew={r['skew']} "
             f"{r['kind']:10s} loop {fmt(r.get('loop_us')):>9s} comm {fmt(r.get('comm_us')):>8s} "
             f"floor {fmt(r.get('floor_us')):>9s} ratio {fmt(r.get('ratio'), 2):>5s} step "
             f"{fmt(r.get('step_us')):>9s} peak MiB {mib((r.get('peak_bytes') or {}).get('peak'))}"

@@ -160,6 +160,10 @@ def time_case(case: Case, mesh, args) -> dict:
         y = jax.block_until_ready(donating(*operands, y))
         for name in ("per_call", "per_call_donated"):
             host, gpu = [], []
+            # our handlers run when XLA records a launch, not when it replays one: runs per
+            # call tell a recording replayed (0) from one redone at each call (2: dispatch,
+            # combine), the first suspect for the host's cost of a call
+            runs_before = backend.handler_calls()
             for _ in range(args.reps):
                 mod.barrier_all()
                 marks[0](nt)
@@ -170,7 +174,9 @@ def time_case(case: Case, mesh, args) -> dict:
                 jax.block_until_ready(marks[1](nt))
                 jax.block_until_ready(y)
                 gpu.append(event_elapsed_us(2, 3) / args.calls)
-            mine[name] = {"host_us": statistics.median(host), "gpu_us": statistics.median(gpu)}
+            mine[name] = {"host_us": statistics.median(host), "gpu_us": statistics.median(gpu),
+                          "handler_runs": (backend.handler_calls() - runs_before)
+                          / (args.reps * args.calls)}
 
     # Breakdown: the kernels' stamps in a recorded graph+barrier loop (timing is read when a
     # launch is recorded, so a new jit after set_timing).
@@ -214,6 +220,9 @@ def summarize(case: Case, everyone: list[dict], args) -> list[dict]:
             rows.append(dict(base, variant=variant, K=args.calls,
                              host_us_per_call=max(p[name]["host_us"] for p in everyone),
                              per_cycle_event_us=max(p[name]["gpu_us"] for p in everyone),
+                             # 2 per call: recorded again each call, or command buffers off
+                             handler_runs_per_call=max(p[name]["handler_runs"]
+                                                       for p in everyone),
                              fit_event_b_us=None))
     if args.timeline:
         rows.append(dict(base, variant="timeline", K=args.timeline,
@@ -239,10 +248,12 @@ def markdown(rows: list[dict], trivial_us: float) -> str:
         out += ["", f"Jitted single-cycle calls back to back (a trivial jitted call: "
                 f"{trivial_us:.0f} µs of host time; donated: the previous output is the next "
                 "call's output buffer):", "",
-                "| config | tokens | variant | host µs per call | GPU µs per cycle |",
-                "|---|---|---|---|---|"]
+                "| config | tokens | variant | host µs per call | GPU µs per cycle | "
+                "handler runs per call |",
+                "|---|---|---|---|---|---|"]
         out += [f"| {r['config']} | {r['tokens_per_rank']} | {r['variant']} | "
-                f"{r['host_us_per_call']:.0f} | {r['per_cycle_event_us']:.1f} |" for r in calls]
+                f"{r['host_us_per_call']:.0f} | {r['per_cycle_event_us']:.1f} | "
+                f"{r.get('handler_runs_per_call', float('nan')):.2f} |" for r in calls]
     return "\n".join(out)
 
 
@@ -301,7 +312,8 @@ def main() -> int:
                         f"{r['per_cycle_event_us']:.1f})", flush=True)
                 elif r["variant"] in ("per-call", "per-call-donated"):
                     say(f"{case}: {r['variant']} host {r['host_us_per_call']:.0f} us/call, GPU "
-                        f"{r['per_cycle_event_us']:.1f} us/cycle", flush=True)
+                        f"{r['per_cycle_event_us']:.1f} us/cycle, handler runs per call "
+                        f"{r['handler_runs_per_call']:.2f}", flush=True)
                 elif r["variant"] == "timeline":
                     say(format_timeline(r["phases_us"]), flush=True)
             say(f"{case}: done in {time.time() - t0:.0f} s", flush=True)

@@ -12,17 +12,10 @@ W=/tmp/bisect; mkdir -p "$W"
 PY=${PYTHON:-python3}
 ROOT=$PWD
 export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0
-for c in ${COMMITS:?set COMMITS (each unpacked in .old/<commit>)}; do
-  [ -d "$ROOT/.old/$c" ] || { echo "-- $c: no .old/$c"; continue; }
-  SRC="$ROOT/.old/$c" TARGET="/tmp/site_$c" BUILD_DIR="/tmp/jmc_$c" LOG="$W/build_$c.log" \
-    bash "$ROOT/scripts/gpu_build.sh" || { echo "-- $c: build failed"; continue; }
-  (cd /tmp && PYTHONPATH="/tmp/site_$c" GIT_COMMIT=$c timeout ${LIMIT:-120} $PY -m jax_moe_comm.launch \
-    -n 8 --oversubscribe --timeout $(( ${LIMIT:-120} - 10 )) -- $PY "$ROOT/.old/$c/benchmarks/bench_loop.py" \
-    --tokens "${TOKENS:-1,16}" --ks "${KS:-1,10,50}" --calls 0 --timeline 0 --variants graph \
-    --out "$W/loop_$c.json" > "$W/loop_$c.log" 2>&1)
-  echo "-- $c rc=$? $(grep -c 'us/cycle' "$W/loop_$c.log") rows"
-done
-$PY - "$W" ${COMMITS} <<'EOF' | tee "$OUT/bisect.md"
+# The table and the logs so far, rewritten after every commit: a call cut by its time limit
+# still brings back the commits it finished.
+report() {
+$PY - "$W" ${COMMITS} > "$OUT/bisect.md" <<'EOF'
 import json, os, sys
 w, commits = sys.argv[1], sys.argv[2:]
 runs = {}
@@ -40,4 +33,18 @@ for k in keys:
         f"{runs[c][k]:.1f}" if k in runs[c] else "" for c in runs) + " |")
 EOF
 cp "$W"/loop_*.json "$OUT/" 2>/dev/null
-cat "$W"/loop_*.log > "$OUT/bisect_logs.txt" 2>/dev/null
+cat "$W"/build_*.log "$W"/loop_*.log > "$OUT/bisect_logs.txt" 2>/dev/null
+}
+for c in ${COMMITS:?set COMMITS (each unpacked in .old/<commit>)}; do
+  [ -d "$ROOT/.old/$c" ] || { echo "-- $c: no .old/$c"; continue; }
+  SRC="$ROOT/.old/$c" TARGET="/tmp/site_$c" BUILD_DIR="/tmp/jmc_$c" LOG="$W/build_$c.log" \
+    bash "$ROOT/scripts/gpu_build.sh" || { echo "-- $c: build failed"; continue; }
+  (cd /tmp && PYTHONPATH="/tmp/site_$c" GIT_COMMIT=$c timeout ${LIMIT:-120} $PY -m jax_moe_comm.launch \
+    -n 8 --oversubscribe --timeout $(( ${LIMIT:-120} - 10 )) -- $PY "$ROOT/.old/$c/benchmarks/bench_loop.py" \
+    --tokens "${TOKENS:-1,16}" --ks "${KS:-1,10,50}" --calls 0 --timeline 0 --variants graph \
+    --out "$W/loop_$c.json" > "$W/loop_$c.log" 2>&1)
+  echo "-- $c rc=$? $(grep -c 'us/cycle' "$W/loop_$c.log") rows"
+  report
+done
+report
+cat "$OUT/bisect.md"

@@ -226,7 +226,7 @@ def dequantize_loop(a2a, mesh, split: bool):
     """One jitted fori_loop of DEQ_CYCLES dispatches of bf16 x (the handle quantizes it), no
     host round trip between them, cycle i sending x * (1 + i / 8) from a rank that starts
     it late by a rank-dependent spin; returns per rank [cycles, rows, H] bf16 expert_x and
-    [cycles, L] counts. The knob is read while tracing: trace under the setting to test."""
+    [cycles, L] counts, on a handle made under the JMC_RECV_DEQUANTIZE value to test."""
     def body(x, idx, nt):
         nt = nt.reshape(())
         rank = jax.lax.axis_index("ep")

@@ -25,6 +25,8 @@ FAST = ["--samples", "2", "--target-ms", "2", "--max-loop", "3", "--step-calls",
 
 FAKE_TOKAMAX = '''
 """A stand-in for tokamax's ragged_dot API (tests only)."""
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -32,11 +34,25 @@ __version__ = "0.0.0+stand-in"
 IMPLEMENTATIONS = {"xla": None, "mosaic_gpu": None}
 
 
+def _chain(implementation):
+    """A kernel spec's chain (its kernel, then "mosaic", "xla"): the kernel's config is logged
+    to $FAKE_TOKAMAX_LOG (so a test sees which spec reached tokamax) and the chain runs as its
+    last name; the kernel alone runs as tokamax's default here."""
+    if not isinstance(implementation, tuple):
+        return implementation
+    log = os.environ.get("FAKE_TOKAMAX_LOG")
+    if log and getattr(implementation[0], "config", None) is not None:
+        c = implementation[0].config
+        with open(log, "a") as f:
+            f.write(f"block_m={c.block_m} persistent={c.persistent}\\n")
+    last = implementation[-1]
+    return last if isinstance(last, str) else None
+
+
 def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
                group_offset=None, activation=None, manual_axis_type=None, *,
                implementation=None, **kwargs):
-    if isinstance(implementation, tuple):  # a kernel spec's chain: its kernel, ..., "xla"
-        implementation = implementation[-1]
+    implementation = _chain(implementation)
     if implementation not in (None, "mosaic", *IMPLEMENTATIONS):
         raise ValueError(f"Unknown implementation: {implementation}")
     out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
@@ -55,8 +71,7 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
                        preferred_element_type=None, *, implementation=None, **kwargs):
     """Right for every implementation (grouped_vjp's backward and its differentiated forward
     use it): only the primal ragged_dot of "mosaic" is wrong."""
-    if isinstance(implementation, tuple):
-        implementation = implementation[-1]
+    implementation = _chain(implementation)
     if implementation not in (None, "mosaic", *IMPLEMENTATIONS):
         raise ValueError(f"Unknown implementation: {implementation}")
     return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers,
@@ -145,8 +160,10 @@ def layer_json(out_dir):
         return json.load(f)
 
 
-def test_layer_smoke(tmp_path, fake_site):
+def test_layer_smoke(tmp_path, fake_site, monkeypatch):
     out = tmp_path / "out"
+    spec_log = tmp_path / "specs.log"  # the stand-in logs the kernel config each call asked for
+    monkeypatch.setenv("FAKE_TOKAMAX_LOG", str(spec_log))
     run([LAYER, "--configs", "tiny", "--tokens", "4", "--layouts", "padded,packed",
          "--expert-gemm", "einsum,tokamax,tokamax@m128p1", "--capacity-configs", "tiny",
          "--capacity-tokens",
@@ -166,9 +183,14 @@ def test_layer_smoke(tmp_path, fake_site):
              rows[("packed", "einsum", None, 0.0, "layer")],
              rows[("packed", "tokamax", None, 0.0, "layer")],
              rows[("packed", "tokamax@m128p1", None, 0.0, "layer")]]
-    # a kernel-spec row runs tokamax with JMC_TOKAMAX_IMPL set for it alone
+    # a kernel-spec row runs tokamax with JMC_TOKAMAX_IMPL set for it alone: its config reached
+    # tokamax (and no other row's), and the probe says the kernel took it for both GEMMs
     assert [r["tokamax_impl"] for r in plain] == [None, None, None, "mosaic:m128p1"]
     assert plain[3]["expert_gemm_resolved"] == "tokamax"
+    asked = set(spec_log.read_text().splitlines())
+    assert asked == {"block_m=128 persistent=True"}, asked
+    assert plain[3]["tokamax_spec_probe"] == {"w_in": "spec", "w_out": "spec"}, plain[3]
+    assert "tokamax_spec_probe" not in plain[2]
     for r in plain:
         assert r["status"] == "ok", r
         for key in ("loop_us", "comm_us", "step_us", "weight_read_us", "floor_us", "ratio"):
