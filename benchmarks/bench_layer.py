@@ -56,7 +56,6 @@ that a run cut short keeps what it measured.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import inspect
@@ -297,11 +296,12 @@ class Case:
 
     @property
     def option(self) -> str:  # the layer's expert_gemm: a "tokamax@<spec>" row runs "tokamax"
-        return self.gemm.split("@")[0]
+        return self.gemm.partition("@")[0]
 
     @property
     def tokamax_impl(self) -> str | None:  # JMC_TOKAMAX_IMPL while a "tokamax@<spec>" row runs
-        return G.TOKAMAX_SPEC_PREFIX + self.gemm.split("@", 1)[1] if "@" in self.gemm else None
+        _, at, spec = self.gemm.partition("@")
+        return G.TOKAMAX_SPEC_PREFIX + spec if at else None
 
     @property
     def group(self):  # what shares one handle and one comm-only measurement
@@ -316,34 +316,16 @@ def supported(case: Case) -> bool:
 def check_gemm(gemm: str) -> str:
     """An --expert-gemm entry: an expert_gemm option, or "tokamax@<spec>" (tokamax with that
     kernel spec, expert_gemm.TOKAMAX_SPEC_GRAMMAR); returns the option."""
-    option, _, spec = gemm.partition("@")
+    option, at, spec = gemm.partition("@")
     G.check_option(option)
-    if spec or "@" in gemm:
+    if at:
         if option != "tokamax":
             raise ValueError(f"--expert-gemm {gemm!r}: only tokamax takes @<kernel spec>")
         G.parse_tokamax_spec(spec)
     return option
 
 
-@contextlib.contextmanager
-def tokamax_impl(case: "Case"):
-    """JMC_TOKAMAX_IMPL set to the case's kernel spec while it runs (expert_gemm resolves it
-    at each trace), restored after; nothing for other rows."""
-    if case.tokamax_impl is None:
-        yield
-        return
-    old = os.environ.get("JMC_TOKAMAX_IMPL")
-    os.environ["JMC_TOKAMAX_IMPL"] = case.tokamax_impl
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("JMC_TOKAMAX_IMPL")
-        else:
-            os.environ["JMC_TOKAMAX_IMPL"] = old
-
-
-def spec_probe(case: "Case", world: int) -> dict:
+def spec_probe(case: Case, world: int) -> dict:
     """For a tokamax@<spec> row, per forward GEMM of the layer (packed rows at the case's
     capacity): "spec" where tokamax's Mosaic GPU kernel takes the spec, else why not (tokamax
     then falls back to its own config, and the row measures that). Traced only."""
@@ -388,7 +370,7 @@ def plan(args) -> list[Case]:
     prefill = [t for t in tokens if t > DECODE_MAX_TOKENS]
     defer = set(filter(None, args.defer.split(",")))
     cs = combos(args)
-    deferred = [c for c in cs if c[1] in defer or c[1].partition("@")[0] in defer]
+    deferred = [c for c in cs if c[1] in defer or check_gemm(c[1]) in defer]
     first = [c for c in cs if c not in deferred]
     later = deferred
 
@@ -694,15 +676,15 @@ class Bench:
     # -- one row ------------------------------------------------------------------------------
     def row_base(self, case: Case) -> dict:
         E, k, H, F = LAYERS[case.config]
+        resolved = G.resolve(case.option, layout=case.layout)
         return dict(config=case.config, num_experts=E, experts_per_token=k, hidden=H, ffn=F,
                     tokens_per_rank=case.tokens, phase=case.phase, layout=case.layout,
                     expert_gemm=case.gemm,
                     # the kernel spec this row's tokamax ran with (its own, or the shell's)
                     tokamax_impl=case.tokamax_impl or (
-                        os.environ.get("JMC_TOKAMAX_IMPL")
-                        if G.resolve(case.option, layout=case.layout) in G.NEEDS_TOKAMAX
+                        os.environ.get(G.TOKAMAX_IMPL_ENV) if resolved in G.NEEDS_TOKAMAX
                         else None),
-                    expert_gemm_resolved=G.resolve(case.option, layout=case.layout),
+                    expert_gemm_resolved=resolved,
                     dispatch_dtype="bf16" if self.args.bf16 else "fp8",
                     capacity_factor=case.capacity or None, overflow=case.overflow or None,
                     skew=case.skew, kind=case.kind, wanted_capacity_factor=case.wanted or None,
@@ -973,7 +955,10 @@ class Bench:
             f"{'yes' if EXPERT_CAPACITY else 'no'} (padded), tokamax "
             f"{self.meta['tokamax_problem'] or 'ok'}", flush=True)
         for case in cases:
-            with tokamax_impl(case):
+            # a tokamax@<spec> row: JMC_TOKAMAX_IMPL set for it alone (expert_gemm resolves it
+            # at each trace), restored after
+            spec = {G.TOKAMAX_IMPL_ENV: case.tokamax_impl} if case.tokamax_impl else {}
+            with mock.patch.dict(os.environ, spec):
                 row = self.run_case(case)
             row["elapsed_s"] = round(time.perf_counter() - T0, 1)
             self.rows.append(row)

@@ -56,6 +56,9 @@ from jax_moe_comm.backends.nvshmem import event_elapsed_us, record_event  # noqa
 from timeline import format_timeline, phase_timeline  # noqa: E402
 
 VARIANTS = ("graph", "graph+barrier")
+# the per-call rows: (the name time_case files them under, the row's variant)
+CALL_VARIANTS = (("per_call", "per-call"), ("per_call_donated", "per-call-donated"))
+CALL_ROWS = tuple(v for _, v in CALL_VARIANTS)
 
 
 class Case:
@@ -158,7 +161,7 @@ def time_case(case: Case, mesh, args) -> dict:
             jax.block_until_ready(f(nt))
         y = jax.block_until_ready(single(*operands))
         y = jax.block_until_ready(donating(*operands, y))
-        for name in ("per_call", "per_call_donated"):
+        for name, _ in CALL_VARIANTS:
             host, gpu = [], []
             # our handlers run when XLA records a launch, not when it replays one: runs per
             # call tell a recording replayed (0) from one redone at each call (2: dispatch,
@@ -216,7 +219,7 @@ def summarize(case: Case, everyone: list[dict], args) -> list[dict]:
             rows.append(dict(base, variant=variant, **got[K], fit_event_a_us=a,
                              fit_event_b_us=b))
     if args.calls:
-        for name, variant in (("per_call", "per-call"), ("per_call_donated", "per-call-donated")):
+        for name, variant in CALL_VARIANTS:
             rows.append(dict(base, variant=variant, K=args.calls,
                              host_us_per_call=max(p[name]["host_us"] for p in everyone),
                              per_cycle_event_us=max(p[name]["gpu_us"] for p in everyone),
@@ -236,20 +239,20 @@ def markdown(rows: list[dict], trivial_us: float) -> str:
     seen = set()
     for r in rows:
         key = (r["config"], r["tokens_per_rank"], r["variant"])
-        if key in seen or r["variant"] in ("timeline", "per-call", "per-call-donated"):
+        if key in seen or r["variant"] == "timeline" or r["variant"] in CALL_ROWS:
             continue
         seen.add(key)
         ks = [q for q in rows if (q["config"], q["tokens_per_rank"], q["variant"]) == key]
         per_k = ", ".join(f"K={q['K']}: {q['per_cycle_event_us']:.1f}" for q in ks)
         out.append(f"| {r['config']} | {r['tokens_per_rank']} | {r['variant']} | "
                    f"{r['fit_event_b_us']:.1f} | {r['fit_event_a_us']:.1f} | {per_k} |")
-    calls = [r for r in rows if r["variant"] in ("per-call", "per-call-donated")]
+    calls = [r for r in rows if r["variant"] in CALL_ROWS]
     if calls:
         out += ["", f"Jitted single-cycle calls back to back (a trivial jitted call: "
                 f"{trivial_us:.0f} µs of host time; donated: the previous output is the next "
                 "call's output buffer):", "",
-                "| config | tokens | variant | host µs per call | GPU µs per cycle | "
-                "handler runs per call |",
+                ("| config | tokens | variant | host µs per call | GPU µs per cycle | "
+                 "handler runs per call |"),
                 "|---|---|---|---|---|---|"]
         out += [f"| {r['config']} | {r['tokens_per_rank']} | {r['variant']} | "
                 f"{r['host_us_per_call']:.0f} | {r['per_cycle_event_us']:.1f} | "
@@ -310,7 +313,7 @@ def main() -> int:
                     say(f"{case}: {r['variant']:14s} {r['fit_event_b_us']:7.1f} us/cycle "
                         f"(fit a {r['fit_event_a_us']:.1f} us; K={r['K']}: "
                         f"{r['per_cycle_event_us']:.1f})", flush=True)
-                elif r["variant"] in ("per-call", "per-call-donated"):
+                elif r["variant"] in CALL_ROWS:
                     say(f"{case}: {r['variant']} host {r['host_us_per_call']:.0f} us/call, GPU "
                         f"{r['per_cycle_event_us']:.1f} us/cycle, handler runs per call "
                         f"{r['handler_runs_per_call']:.2f}", flush=True)

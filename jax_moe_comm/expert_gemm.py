@@ -262,13 +262,22 @@ def parse_tokamax_spec(spec: str) -> dict:
     return fields
 
 
+TOKAMAX_IMPL_ENV = "JMC_TOKAMAX_IMPL"
+
+
+def _requested_implementation(name):
+    """The implementation asked for: `name`, else the environment's JMC_TOKAMAX_IMPL, else
+    None (tokamax's own choice)."""
+    return name or os.environ.get(TOKAMAX_IMPL_ENV) or None
+
+
 def _tokamax_implementation(name):
     """tokamax's `implementation=` for one of ours: None (tokamax's choice; the environment's
     JMC_TOKAMAX_IMPL if set), a tokamax name, or a kernel spec ("mosaic:<spec>" or a named
     one, e.g. TOKAMAX_PERSISTENT): tokamax's Mosaic GPU kernel with that Config first, then
     "mosaic" (tokamax's own config) and "xla" where it refuses a problem (NotImplementedError)."""
-    name = name or os.environ.get("JMC_TOKAMAX_IMPL") or None
-    from_env = name is not None and name == os.environ.get("JMC_TOKAMAX_IMPL")
+    name = _requested_implementation(name)
+    from_env = name is not None and name == os.environ.get(TOKAMAX_IMPL_ENV)
     spec = tokamax_spec(name)
     if spec is None:
         return name
@@ -355,7 +364,7 @@ def tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype=f32, implementation=None,
     x, w_in, w_out = (_vary_like(v, x, w_in, w_out) for v in (x, w_in, w_out))
     # The environment's choice resolved here, not inside the cached builders below: they would
     # keep the first value they saw (a later JMC_TOKAMAX_IMPL would not reach a new trace).
-    implementation = implementation or os.environ.get("JMC_TOKAMAX_IMPL") or None
+    implementation = _requested_implementation(implementation)
     primal = _tokamax_primal(implementation)
     return grouped_vjp.grouped_mlp(x, group_sizes.astype(jnp.int32), w_in, w_out,
                                    jnp.dtype(out_dtype), _tokamax_dot(implementation), primal,

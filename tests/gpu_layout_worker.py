@@ -30,6 +30,7 @@ import argparse
 import os
 import sys
 import time
+from unittest import mock
 
 import jax_moe_comm.distributed as dist
 
@@ -269,15 +270,8 @@ def expert_rows(ex, counts, layout) -> list[list[bytes]]:
 
 def with_knob(value: str, fn):
     """fn() with JMC_RECV_DEQUANTIZE=value (read when a handle is created)."""
-    old = os.environ.get(autodiff.RECV_DEQUANTIZE_ENV)
-    os.environ[autodiff.RECV_DEQUANTIZE_ENV] = value
-    try:
+    with mock.patch.dict(os.environ, {autodiff.RECV_DEQUANTIZE_ENV: value}):
         return fn()
-    finally:
-        if old is None:
-            os.environ.pop(autodiff.RECV_DEQUANTIZE_ENV)
-        else:
-            os.environ[autodiff.RECV_DEQUANTIZE_ENV] = old
 
 
 def asks_kernel(step, args, value: str) -> None:

@@ -51,19 +51,18 @@ __device__ __noinline__ void warp_dequantize_fp8(void* dst, const void* src, con
   auto* d = static_cast<int4*>(dst);
   const auto* s = static_cast<const int4*>(src);
   const uint32_t n = elems / 16;
-  constexpr int kUnroll = kCopyUnroll;
-  for (uint32_t i = lane; i < n; i += kUnroll * 32) {
-    int4 v[kUnroll];
-    float scale[kUnroll];
+  for (uint32_t i = lane; i < n; i += kCopyUnroll * 32) {
+    int4 v[kCopyUnroll];
+    float scale[kCopyUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kCopyUnroll; ++u) {
       if (i + u * 32 < n) {
         v[u] = s[i + u * 32];
         scale[u] = scales[(i + u * 32) / kVecsPerScale];
       }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
+    for (int u = 0; u < kCopyUnroll; ++u)
       if (i + u * 32 < n) dequantize16(v[u], scale[u], d + 2 * (i + u * 32));
   }
 }
