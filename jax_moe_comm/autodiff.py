@@ -60,7 +60,7 @@ runs the primal): on the nvshmem backend they hold stale data, and the expert la
 gradient would multiply it by the zero cotangent of those rows (NaN * 0 = NaN). Inference
 handles leave them undefined (zeroing them costs L*R*H bytes of writes per call, 235 MB at R1).
 The fp8 dequantising path masks them always when XLA dequantizes (it writes every row anyway);
-when the receive kernel does (JMC_RECV_DEQUANTIZE=1 when the handle was created), only
+when the receive kernel does (JMC_RECV_DEQUANTIZE when the handle was created), only
 differentiable handles mask them.
 
 fp8: bf16 x given to an fp8 handle is quantized inside (1x128 blocks, quant.quantize), sent as
@@ -250,18 +250,27 @@ def dispatch_send(plan: Plan, x, x_scale, indices, num_tokens, weights, fused: b
     return plan.fwd.dispatch_send(x, x_scale, indices, num_tokens, weights=weights)
 
 
-# JMC_RECV_DEQUANTIZE=1: a backend that can (nvshmem) dequantizes fp8 rows in its receive
-# kernel instead of XLA's pass over the whole expert_x afterwards (docs/knobs.md). Opt-in
-# until a GPU run has checked it bit for bit against the XLA pass and timed it.
+# JMC_RECV_DEQUANTIZE: a backend that can (nvshmem) dequantizes fp8 rows in its receive kernel
+# instead of XLA's pass over the whole expert_x afterwards (docs/knobs.md). Unset, it is on for
+# inference handles and off for differentiable ones: the H200 run of 2026-12-05 (2745fad)
+# checked the inference path bit for bit against XLA's pass (fused and split, both layouts,
+# the layer's y); the gradient suite has not yet run with it. 1: on for every handle; 0: off.
 RECV_DEQUANTIZE_ENV = "JMC_RECV_DEQUANTIZE"
 
 
-def recv_dequantizes(backend) -> bool:
+def recv_dequantizes(backend, differentiable: bool = False) -> bool:
     """Whether a handle made now on `backend` asks it for bf16 rows. Read once, when the
     handle is created (Plan.recv_dequantize): dispatch_recv is jitted per plan, so a setting
     read while tracing would stick to the handle's first trace."""
-    return (bool(getattr(type(backend), "dequantizes_on_recv", False))
-            and os.environ.get(RECV_DEQUANTIZE_ENV, "0") == "1")
+    if not getattr(type(backend), "dequantizes_on_recv", False):
+        return False
+    setting = os.environ.get(RECV_DEQUANTIZE_ENV, "")
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"{RECV_DEQUANTIZE_ENV}={setting!r}: use 1 (every handle), 0 (none) "
+                         "or leave it unset (inference handles only)")
+    if setting:
+        return setting == "1"
+    return not differentiable
 
 
 def _dispatch_out(plan: Plan, dequantize: bool, has_weights: bool, state):

@@ -63,8 +63,9 @@ for s in $STEPS; do
   server) step $s 200 "${E[@]}" $(L $n 190) $PY "$ROOT/tests/gpu_server_worker.py" ;;
   protocol) step $s 200 "${E[@]}" $(L $n 190) $PY "$ROOT/tests/gpu_protocol_worker.py" --quick ;;
   grad) tokamax_site  # packed layers run tokamax's GEMM (grouped_vjp's backward) where it imports
+    # (GRAD_ARGS, e.g. "--only fp8": the cases whose names hold one of the substrings)
     step $s 300 "${E[@]}" PYTHONPATH="$TK_SITE${PYTHONPATH:+:$PYTHONPATH}" $(L $n 290) $PY \
-      "$ROOT/tests/gpu_grad_worker.py" --quick ;;
+      "$ROOT/tests/gpu_grad_worker.py" --quick ${GRAD_ARGS:-} ;;
   soak)  # 10^6 cycles at 2 ranks (~50 s); fewer where ranks share the GPU more
     if [ "$n" -le 2 ]; then soak_args=${SOAK_ARGS:-}; else soak_args=${SOAK8_ARGS:---cycles 200000}; fi
     step $s 300 "${E[@]}" $(L $n 290) $PY "$ROOT/tests/gpu_soak_worker.py" $soak_args ;;

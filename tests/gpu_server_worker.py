@@ -16,6 +16,7 @@ import contextlib
 import os
 import sys
 import time
+from unittest import mock
 
 import jax_moe_comm.distributed as dist
 from gpu_harness import Suite, kv_allgather, run_cycle, small_configs
@@ -248,20 +249,13 @@ def main() -> int:
     def settings_differ():
         # One rank with another JMC_FUSED: every rank raises a ValueError naming it, at once
         # (it used to return before the collective allocation, leaving the others there).
-        old = os.environ.get("JMC_FUSED")
-        if RANK == 0:
-            os.environ["JMC_FUSED"] = "bogus"
-        try:
-            AllToAll(tiny, backend="nvshmem").close()
-            raise AssertionError("created a handle with differing JMC_FUSED")
-        except ValueError as e:
-            msg = str(e)
-            assert "JMC_FUSED" in msg and "'bogus' on rank 0" in msg, msg
-        finally:
-            if old is None:
-                os.environ.pop("JMC_FUSED", None)
-            else:
-                os.environ["JMC_FUSED"] = old
+        with mock.patch.dict(os.environ, {"JMC_FUSED": "bogus"} if RANK == 0 else {}):
+            try:
+                AllToAll(tiny, backend="nvshmem").close()
+                raise AssertionError("created a handle with differing JMC_FUSED")
+            except ValueError as e:
+                msg = str(e)
+                assert "JMC_FUSED" in msg and "'bogus' on rank 0" in msg, msg
         with AllToAll(tiny, backend="nvshmem") as a2a:  # the next creation still agrees
             T.run_and_check(a2a, mesh, T.make_inputs(tiny, 9))
         return msg[:100]

@@ -202,6 +202,10 @@ def test_layer_smoke(tmp_path, fake_site, monkeypatch):
         assert pb["peak"] == pb["argument"] + pb["output"] + pb["temp"] - pb["alias"] > 0
         assert r["finite"] is True and r["correct"] is True and r["err"] <= 0.05, r
     assert plain[0]["err"] == 0.0  # the reference itself
+    # comm is timed again for every row; comm_first_us is its handle's first row's figure
+    assert plain[1]["comm_first_us"] == plain[1]["comm_us"]
+    assert plain[2]["comm_first_us"] == plain[3]["comm_first_us"] == plain[1]["comm_us"]
+    assert plain[0]["comm_first_us"] == plain[0]["comm_us"]
     assert run_["capacity_support"] is True and run_["expert_capacity_support"] is True
     skew = rows[("packed", "tokamax", 1.25, 0.9, "layer")]
     fail = rows[("packed", "tokamax", 1.25, 0.9, "fail_check")]
@@ -309,3 +313,14 @@ def test_gemm_smoke_diagnoses_a_wrong_kernel(tmp_path, fake_site):
     assert "worst:" in bad["error"]
     assert "Unknown implementation" in rows["tokamax_triton"]["error"]
     assert "| y | y (fwd+bwd) | d x | d w_in | d w_out |" in (out / "gemm.md").read_text()
+
+
+def test_capacity_gemm_list_gives_a_capacity_row_per_option(tmp_path, fake_site):
+    """--capacity-gemm a,b: one packed capacity row per option (each spec its own row); the
+    skew and fail rows run the first option only."""
+    rows = _plan(fake_site, tmp_path, "--tokens", "", "--capacity-configs", "V2Lite",
+                 "--capacity-tokens", "128", "--padded-capacity-tokens=",
+                 "--capacity-gemm", "tokamax@m128,tokamax")
+    packed = [(r["gemm"], r["skew"], r["kind"]) for r in rows if r["layout"] == "packed"]
+    assert packed == [("tokamax@m128", 0.0, "layer"), ("tokamax", 0.0, "layer"),
+                      ("tokamax@m128", 0.9, "layer"), ("tokamax@m128", 0.9, "fail_check")]

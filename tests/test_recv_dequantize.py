@@ -1,4 +1,4 @@
-"""Dequantize on receive (JMC_RECV_DEQUANTIZE=1, issue 24), on 8 emulated CPU devices: the
+"""Dequantize on receive (JMC_RECV_DEQUANTIZE, issue 24), on 8 emulated CPU devices: the
 wiring around the nvshmem receive kernel that writes an fp8 handle's rows as bf16, run on a
 stand-in backend (the reference backend wrapped to do what the kernel does). The kernel itself
 is checked bit for bit against XLA's pass on the GPU (tests/gpu_layout_worker.py)."""
@@ -68,7 +68,7 @@ def recv_dequantizing_all_to_all(cfg, shuffle=True, **kw):
 def test_recv_dequantize_asks_the_backend_and_changes_no_value(monkeypatch, layout, split):
     """A handle created under JMC_RECV_DEQUANTIZE=1 asks a backend that can dequantize on
     receive to (fused and split dispatch) and skips XLA's pass; its live rows are bit for bit
-    those of XLA's pass. One created without it never asks. The setting is the handle's:
+    those of XLA's pass. One created under 0 never asks. The setting is the handle's:
     flipping the variable after creation, before the step is traced, changes nothing."""
     cfg = EP4_FP8.cfg()
     mesh = T.make_mesh(EP4_FP8.ep)
@@ -108,6 +108,30 @@ def test_recv_dequantize_asks_the_backend_and_changes_no_value(monkeypatch, layo
         want, got = ex_xla[rank][live], ex_kernel[rank][live]
         assert want.size and np.isfinite(want.astype(np.float32)).all()
         np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+def test_recv_dequantize_default_is_on_for_inference_handles(monkeypatch):
+    """Unset: an inference handle on a backend that can dequantize on receive asks it to (the
+    H200 run checked that path bit for bit), a differentiable one does not (its gradient suite
+    has not run with it yet); 1 and 0 set it for both; a backend that cannot is never asked."""
+    monkeypatch.delenv(autodiff.RECV_DEQUANTIZE_ENV, raising=False)
+    can = type("Can", (), {"dequantizes_on_recv": True})()
+    assert autodiff.recv_dequantizes(can) is True
+    assert autodiff.recv_dequantizes(can, differentiable=True) is False
+    assert autodiff.recv_dequantizes(object()) is False
+    monkeypatch.setenv(autodiff.RECV_DEQUANTIZE_ENV, "1")
+    assert autodiff.recv_dequantizes(can, differentiable=True) is True
+    assert autodiff.recv_dequantizes(object()) is False
+    monkeypatch.setenv(autodiff.RECV_DEQUANTIZE_ENV, "0")
+    assert autodiff.recv_dequantizes(can) is False
+    monkeypatch.setenv(autodiff.RECV_DEQUANTIZE_ENV, "yes")
+    with pytest.raises(ValueError, match="JMC_RECV_DEQUANTIZE='yes'"):
+        autodiff.recv_dequantizes(can)
+    # the handle's own: a differentiable handle made with the variable unset does not ask
+    monkeypatch.delenv(autodiff.RECV_DEQUANTIZE_ENV)
+    cfg = EP4_FP8.cfg()
+    assert recv_dequantizing_all_to_all(cfg)._plan.recv_dequantize is True
+    assert recv_dequantizing_all_to_all(cfg, differentiable=True)._plan.recv_dequantize is False
 
 
 def test_recv_dequantize_keeps_differentiable_padding_zero(monkeypatch):
