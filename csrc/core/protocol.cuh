@@ -157,15 +157,21 @@ enum class Wait { kArrived, kTimedOut, kAborted };
 // Spins until *flag >= expected. The first load acquires: a flag that is already there (an
 // acknowledgement of the previous cycle, a peer that was ahead) costs one load, not a relaxed
 // load and then an acquire. Otherwise it polls relaxed (no L1 invalidation per poll), then
-// acquires once. With a peer behind a proxy transport, nvshmem_uint64_test then runs the
-// transport's post-wait consistency hook (DESIGN §11; with only load/store peers the acquire is
-// the whole story). Gives up at the deadline or when the abort word is set.
+// acquires once. Each poll loads the flag and the abort word together: one round trip per
+// poll (the abort word's load, then a branch on it, then the flag's made two, ~1.2 us under
+// MPS, so a flag was seen ~0.6 us later on average). With a peer behind a proxy transport,
+// nvshmem_uint64_test then runs the transport's post-wait consistency hook (DESIGN §11; with
+// only load/store peers the acquire is the whole story). Gives up at the deadline or when
+// the abort word is set (a flag that arrived in the same poll wins).
 __device__ __forceinline__ Wait wait_ge(const CommonParams& c, const uint64_t* flag,
                                         uint64_t expected, uint64_t deadline, uint64_t* seen) {
   uint64_t v = ld_acquire_sys_u64(flag);
   if (v < expected) {
-    do {
-      if (ld_relaxed_sys_u64(c.sym.abort_word) != 0) {
+    while (true) {
+      const uint64_t aborted = ld_relaxed_sys_u64(c.sym.abort_word);
+      v = ld_relaxed_sys_u64(flag);  // in flight with the abort word's load
+      if (v >= expected) break;
+      if (aborted != 0) {
         *seen = v;
         return Wait::kAborted;
       }
@@ -174,8 +180,7 @@ __device__ __forceinline__ Wait wait_ge(const CommonParams& c, const uint64_t* f
         return Wait::kTimedOut;
       }
       __nanosleep(20);
-      v = ld_relaxed_sys_u64(flag);
-    } while (v < expected);
+    }
     v = ld_acquire_sys_u64(flag);
   }
   *seen = v;

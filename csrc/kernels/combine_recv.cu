@@ -6,28 +6,39 @@
 namespace jmc {
 namespace {
 
-template <typename T>
+template <typename T, bool kGeneral>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
     combine_recv_kernel(const CombineRecvParams p) {
   wait_for_previous_kernels();
-  combine_recv_body<T>(p);
+  combine_recv_body<T, kGeneral>(p);
+}
+
+template <typename T>
+cudaError_t launch_typed(const CombineRecvParams& p, Launch l, cudaStream_t stream) {
+  if (general_path(p.c)) return launch_kernel(combine_recv_kernel<T, true>, l, 0, stream, p);
+  return launch_kernel(combine_recv_kernel<T, false>, l, 0, stream, p);
+}
+
+template <typename T>
+int typed_blocks_per_sm(int warps_per_block) {
+  int a = 0, b = 0;  // the fewer of either instantiation
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, combine_recv_kernel<T, true>,
+                                                warps_per_block * kWarpSize, 0);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, combine_recv_kernel<T, false>,
+                                                warps_per_block * kWarpSize, 0);
+  return min(a, b);
 }
 
 }  // namespace
 
 cudaError_t launch_combine_recv(const CombineRecvParams& p, Launch l, cudaStream_t stream) {
-  if (p.c.shape.out_elem_bytes == 4)
-    return launch_kernel(combine_recv_kernel<float>, l, 0, stream, p);
-  return launch_kernel(combine_recv_kernel<__nv_bfloat16>, l, 0, stream, p);
+  if (p.c.shape.out_elem_bytes == 4) return launch_typed<float>(p, l, stream);
+  return launch_typed<__nv_bfloat16>(p, l, stream);
 }
 
 int combine_recv_blocks_per_sm(int warps_per_block) {
-  int a = 0, b = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, combine_recv_kernel<float>,
-                                                warps_per_block * kWarpSize, 0);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, combine_recv_kernel<__nv_bfloat16>,
-                                                warps_per_block * kWarpSize, 0);
-  return min(a, b);
+  return min(typed_blocks_per_sm<float>(warps_per_block),
+             typed_blocks_per_sm<__nv_bfloat16>(warps_per_block));
 }
 
 }  // namespace jmc

@@ -148,11 +148,12 @@ __device__ __forceinline__ bool map_staged_rows(const CombineRecvParams& p, bool
   return __syncthreads_and(ok);  // the map is whole before any warp of this block reads it
 }
 
-template <typename T>
+template <typename T, bool kGeneral>  // kGeneral false: direct (kernels.h, general_path)
 __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
   const CommonParams& c = p.c;
   const Shape& s = c.shape;
   const SymmetricLayout& sym = c.sym;
+  auto staged = [&] { return kGeneral && sym.staged(); };
   const Warps w;
   stamp_start(c, kCombineRecvKernel);
   const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
@@ -171,11 +172,11 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
   const int L = s.num_local_experts();
   // Staged senders put all their rows for us in one put (combine_send step 4): this block
   // waits for their counts and maps each slot (t, j) to its entry in combine_in.
-  uint64_t* slot_map = sym.staged() ? c.scratch.slot_map +
+  uint64_t* slot_map = staged() ? c.scratch.slot_map +
                                           static_cast<size_t>(blockIdx.x) * s.max_num_tokens * k
                                     : nullptr;
   const uint64_t map_base = epoch * (static_cast<uint64_t>(sym.combine_cap) + 1);
-  if (sym.staged()) healthy = map_staged_rows(p, healthy, epoch, deadline, slot_map, map_base);
+  if (staged()) healthy = map_staged_rows(p, healthy, epoch, deadline, slot_map, map_base);
 
   for (int i = w.warp; i < s.max_num_tokens * parts; i += w.total) {
     const int t = i / parts, part = i % parts;
@@ -188,7 +189,7 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
     auto valid = [&](int j) { return ids[j] >= 0 && ids[j] < s.num_experts; };
     // Where slot j's row is: in combine_in when its sender is staged, else in combine_rows.
     auto row_of = [&](int j) -> const uint8_t* {
-      if (sym.staged() && peer_ptr(c, sym.abort_word, ids[j] / L) == nullptr)
+      if (staged() && peer_ptr(c, sym.abort_word, ids[j] / L) == nullptr)
         return sym.in_entry(ids[j] / L, static_cast<uint32_t>(slot_map[t * k + j] - map_base)) +
                kEntryHeaderBytes;
       return sym.combine_row(t, j);
@@ -200,7 +201,7 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
       bool ok = true;
       for (int j = w.lane; j < k; j += kWarpSize) {
         if (!valid(j)) continue;
-        if (sym.staged() && peer_ptr(c, sym.abort_word, ids[j] / L) == nullptr) {
+        if (staged() && peer_ptr(c, sym.abort_word, ids[j] / L) == nullptr) {
           // Counted in and mapped above; a slot its sender sent no row for keeps an older tag.
           const uint64_t at = slot_map[t * k + j];
           if (at < map_base || at - map_base >= static_cast<uint64_t>(sym.combine_cap)) {

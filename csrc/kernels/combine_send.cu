@@ -6,24 +6,28 @@
 namespace jmc {
 namespace {
 
+template <bool kGeneral>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
     combine_send_kernel(const CombineSendParams p) {
   wait_for_previous_kernels();
-  combine_send_body(p);
+  combine_send_body<kGeneral>(p);
 }
 
 }  // namespace
 
 cudaError_t launch_combine_send(const CombineSendParams& p, Launch l, cudaStream_t stream) {
   const size_t shared = combine_send_shared_bytes(p.c.shape);
-  return launch_kernel(combine_send_kernel, l, shared, stream, p);
+  if (general_path(p.c)) return launch_kernel(combine_send_kernel<true>, l, shared, stream, p);
+  return launch_kernel(combine_send_kernel<false>, l, shared, stream, p);
 }
 
 int combine_send_blocks_per_sm(int warps_per_block, size_t shared_bytes) {
-  int n = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, combine_send_kernel,
+  int a = 0, b = 0;  // the fewer of either instantiation
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, combine_send_kernel<true>,
                                                 warps_per_block * kWarpSize, shared_bytes);
-  return n;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, combine_send_kernel<false>,
+                                                warps_per_block * kWarpSize, shared_bytes);
+  return min(a, b);
 }
 
 }  // namespace jmc

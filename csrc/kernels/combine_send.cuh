@@ -40,10 +40,16 @@
 namespace jmc {
 namespace {
 
+template <bool kGeneral>  // false: padded at the worst case, direct (kernels.h, general_path)
 __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
   const CommonParams& c = p.c;
   const Shape& s = c.shape;
   const SymmetricLayout& sym = c.sym;
+  auto staged = [&] { return kGeneral && sym.staged(); };
+  // Re-read from the parameters at each use, as before: kept in registers across the
+  // body they made the general instantiation spill.
+  auto packed = [&] { return kGeneral && s.packed(); };
+  auto can_drop = [&] { return kGeneral && s.can_drop(); };
   const Warps w;
   stamp_start(c, kCombineSendKernel);
   const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
@@ -52,7 +58,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
   __shared__ uint32_t block_home_fill[kMaxBlockCounters];
   const bool one_block = gridDim.x == 1 && s.world_size <= kMaxBlockCounters;
   uint32_t* home_fill = one_block ? block_home_fill : c.scratch.home_fill;
-  if (one_block && sym.staged())
+  if (one_block && staged())
     for (int h = threadIdx.x; h < s.world_size; h += blockDim.x) block_home_fill[h] = 0;
 
   // Step 1: every home rank has read our previous cycle's rows.
@@ -84,8 +90,8 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
   __shared__ int num_dropped;          // rows dropped past a capacity, answered with zeros
   const int capacity = static_cast<int>(s.output_rows());
   if (threadIdx.x < kWarpSize) {
-    const int max_rows = s.packed() ? capacity : s.max_recv_rows();
-    const int per_expert = s.packed() ? R : s.padded_stride();  // the most rows of one expert
+    const int max_rows = packed() ? capacity : s.max_recv_rows();
+    const int per_expert = packed() ? R : s.padded_stride();  // the most rows of one expert
     const int dropped = *p.dropped_rows;  // (issued early: it overlaps the counts' loads)
     int before = 0;  // rows of experts [0, e0)
     bool refused = false;
@@ -108,10 +114,10 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
     }
     // Rows drop only under a capacity; packed, only past a full expert_y (the counts fill C);
     // kept and dropped rows are at most the rows that can arrive (the staging rows' bound).
-    const int most_dropped = s.max_recv_rows() - (s.packed() ? capacity : before);
+    const int most_dropped = s.max_recv_rows() - (packed() ? capacity : before);
     const bool bad_drop = dropped != 0 &&
-                          (!s.can_drop() || dropped < 0 || dropped > most_dropped ||
-                           (s.packed() && before != capacity));
+                          (!can_drop() || dropped < 0 || dropped > most_dropped ||
+                           (packed() && before != capacity));
     if (bad_drop && !refused && ok && blockIdx.x == 0 && w.lane == 0)
       fail(c, kCorruptData, kPhaseCombineSend, -1, -1, most_dropped, dropped, kWhatExpertCount);
     if (w.lane == 0) {
@@ -126,7 +132,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
   for (int i = w.warp; i < rows; i += w.total) {
     // A dropped row's source: after the output rows (packed: at i itself, live == C then).
     int at = i < live ? i : capacity + (i - live);
-    if (!s.packed() && i < live) {
+    if (!packed() && i < live) {
       int e = 0;  // largest e with first_row[e] <= i
       for (int lo = 0, hi = L; hi - lo > 1;) {
         const int mid = (lo + hi) / 2;
@@ -146,10 +152,11 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
         i < live ? p.expert_y + static_cast<size_t>(at) * sym.combine_row_bytes : nullptr;
     uint8_t* row = sym.combine_row(t, j);
     uint64_t* flag = sym.slot_flag(t, j);
-    bool packed = true;
+    bool sent = true;
     for (int m = 0; m < dp; ++m) {
       const int home = g * dp + m;
-      if (uint8_t* direct = peer_ptr(c, row, home)) {
+      uint8_t* direct = peer_ptr(c, row, home);
+      if (!staged() || direct != nullptr) {  // (every peer is load/store when not staged)
         if (y_row != nullptr) {
           warp_copy(direct, y_row, sym.combine_row_bytes, w.lane);
         } else {
@@ -166,7 +173,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
       if (n >= sym.combine_cap) {  // more rows for one home than its tokens have slots here
         if (w.lane == 0)
           fail(c, kCorruptData, kPhaseCombineSend, home, t, sym.combine_cap, n, kWhatRow);
-        packed = false;
+        sent = false;
         break;
       }
       uint8_t* entry = sym.out_entry(home, n);
@@ -180,7 +187,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
         warp_zero(entry + kEntryHeaderBytes, sym.combine_row_bytes, w.lane);
       }
     }
-    if (!packed) break;
+    if (!sent) break;
   }
 
   // Step 3: the last block sends each staged home its packed rows in ONE block-wide put, then
@@ -190,7 +197,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
   // that refused its counts or overflowed a home must send nothing: a count past cap would
   // be a put past the home's combine_in). Load/store-only handles skip the read.
   if (!is_last_block(c, kCombineSendKernel)) return;
-  if (sym.staged()) {
+  if (staged()) {
     const bool publish_all = __syncthreads_and(ok && !poisoned(c));
     if (publish_all) {
       for (int h = 0; h < s.world_size; ++h) {

@@ -6,24 +6,28 @@
 namespace jmc {
 namespace {
 
+template <bool kGeneral>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
     dispatch_recv_kernel(const DispatchRecvParams p) {
   wait_for_previous_kernels();
-  dispatch_recv_body(p);
+  dispatch_recv_body<kGeneral>(p);
 }
 
 }  // namespace
 
 cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, Launch l, cudaStream_t stream) {
   const size_t shared = dispatch_recv_shared_bytes(p.c.shape);
-  return launch_kernel(dispatch_recv_kernel, l, shared, stream, p);
+  if (general_path(p.c)) return launch_kernel(dispatch_recv_kernel<true>, l, shared, stream, p);
+  return launch_kernel(dispatch_recv_kernel<false>, l, shared, stream, p);
 }
 
 int dispatch_recv_blocks_per_sm(int warps_per_block, size_t shared_bytes) {
-  int n = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, dispatch_recv_kernel,
+  int a = 0, b = 0;  // the fewer of either instantiation
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, dispatch_recv_kernel<true>,
                                                 warps_per_block * kWarpSize, shared_bytes);
-  return n;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, dispatch_recv_kernel<false>,
+                                                warps_per_block * kWarpSize, shared_bytes);
+  return min(a, b);
 }
 
 }  // namespace jmc

@@ -100,10 +100,15 @@ __device__ __forceinline__ void count_expert_rows(const DispatchRecvParams& p,
   __syncthreads();
 }
 
+template <bool kGeneral>  // false: padded at the worst case, direct (kernels.h, general_path)
 __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) {
   const CommonParams& c = p.c;
   const Shape& s = c.shape;
   const SymmetricLayout& sym = c.sym;
+  // Re-read from the parameters at each use, as before: kept in registers across the
+  // body they made the general instantiation spill.
+  auto packed = [&] { return kGeneral && s.packed(); };
+  auto can_drop = [&] { return kGeneral && s.can_drop(); };
   const Warps w;
   stamp_start(c, kDispatchRecvKernel);
   const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
@@ -149,7 +154,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
   const uint32_t total = ok ? first_record[G] : 0;
   // Packed: where each local expert's rows start; padded with a capacity: where its dropped
   // rows' sources start past the L * P rows (after first_record in dynamic shared memory).
-  const bool counted = s.packed() || s.can_drop();
+  const bool counted = packed() || can_drop();
   uint32_t* expert_first = counted ? first_record + G + 1 : nullptr;
   if (counted) count_expert_rows(p, first_record, total, expert_first);
   const int capacity = static_cast<int>(s.output_rows()), P = s.padded_stride();
@@ -170,7 +175,12 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
     const uint8_t* rec = sym.recv_record(g, slot);
     const int32_t* header = reinterpret_cast<const int32_t*>(rec);
     const float* header_weights = reinterpret_cast<const float*>(header + 1 + k);
+    // The token and this lane's slot (expert, weight) in one round trip: the slots were
+    // loaded only after the token's check, and the weight after the copies. (The scales
+    // loaded here too made the split kernel spill 24 B more.)
     const int t = header[0];
+    const int id0 = w.lane < k ? header[1 + w.lane] : -1;
+    const float weight0 = w.lane < k ? header_weights[w.lane] : 0.0f;
     if (t < 0 || t >= s.max_num_tokens) {
       if (w.lane == 0)
         fail(c, kCorruptData, kPhaseDispatchRecv, sender, t, s.max_num_tokens, t, kWhatRecord);
@@ -181,7 +191,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
     // each); then the warp copies the payload into each row.
     for (int j0 = 0; j0 < k; j0 += kWarpSize) {
       const int j = j0 + w.lane;
-      const int e = j < k ? header[1 + j] - first_expert : -1;
+      const int e = j < k ? (j0 == 0 ? id0 : header[1 + j]) - first_expert : -1;
       int row = -1;
       if (e >= 0 && e < L) row = static_cast<int>(atomicAdd(&fill[e], 1u));
       // Packed: after the rows of the experts before e; padded: row r of expert e, or past
@@ -191,7 +201,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
       // capacity expert_first is not there to index.)
       const bool bad_row = row >= R;
       const int at = row < 0 || bad_row ? -1
-                     : s.packed()       ? static_cast<int>(expert_first[e]) + row
+                     : packed()         ? static_cast<int>(expert_first[e]) + row
                      : row < P          ? e * P + row
                                         : capacity + static_cast<int>(expert_first[e]) + row - P;
       if (bad_row || at >= sources) {
@@ -216,7 +226,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
               warp_copy_floats(p.expert_x_scale + static_cast<size_t>(out_row) * s.num_scales,
                                scales, s.num_scales, w.lane);
           }
-          if (w.lane == from) p.expert_weights[out_row] = header_weights[j];
+          if (w.lane == from) p.expert_weights[out_row] = j0 == 0 ? weight0 : header_weights[j];
         }
         if (w.lane == from) p.row_source[out_row] = pack_source(g, t, j, s.max_num_tokens, k);
       }
@@ -230,10 +240,10 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
   // Rows that arrived past the capacity (0 when it is the worst case).
   const int counted_rows = counted && ok ? static_cast<int>(expert_first[L]) : 0;
   const uint32_t dropped = static_cast<uint32_t>(
-      s.packed() ? max(0, counted_rows - capacity) : counted_rows);
+      packed() ? max(0, counted_rows - capacity) : counted_rows);
   if (dropped > 0 && !s.drop_overflow) {
     if (threadIdx.x == 0 && healthy) {
-      if (s.packed()) {
+      if (packed()) {
         fail(c, kCapacityExceeded, kPhaseDispatchRecv, -1, -1, capacity, counted_rows,
              kWhatRow);
       } else {
@@ -246,7 +256,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
     const uint32_t filled = min(one_block ? fill[e] : atomicExch(&fill[e], 0u), uint32_t(R));
     // Only the rows below the capacity are in expert_x.
     const uint32_t below_capacity =
-        s.packed() ? static_cast<uint32_t>(max(0, min(static_cast<int>(filled),
+        packed() ? static_cast<uint32_t>(max(0, min(static_cast<int>(filled),
                                                        capacity - static_cast<int>(
                                                                       expert_first[e]))))
                    : min(filled, static_cast<uint32_t>(P));
@@ -254,8 +264,9 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
   }
   if (threadIdx.x == 0) {
     p.dropped_rows[0] = healthy ? static_cast<int32_t>(dropped) : 0;
-    // The only writer (launches on a handle are serialized); device memory, no round trip.
-    if (healthy) c.scratch.state->dropped_rows += dropped;
+    // The only writer (launches on a handle are serialized). Only when something dropped:
+    // the read-modify-write is a dependent load ahead of the acknowledgements below.
+    if (healthy && dropped != 0) c.scratch.state->dropped_rows += dropped;
   }
   if (healthy) {
     for (int g = threadIdx.x; g < G; g += blockDim.x)

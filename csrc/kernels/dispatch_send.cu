@@ -6,23 +6,27 @@
 namespace jmc {
 namespace {
 
+template <bool kGeneral>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
     dispatch_send_kernel(const DispatchSendParams p) {
   wait_for_previous_kernels();
-  dispatch_send_body(p);
+  dispatch_send_body<kGeneral>(p);
 }
 
 }  // namespace
 
 cudaError_t launch_dispatch_send(const DispatchSendParams& p, Launch l, cudaStream_t stream) {
-  return launch_kernel(dispatch_send_kernel, l, 0, stream, p);
+  if (general_path(p.c)) return launch_kernel(dispatch_send_kernel<true>, l, 0, stream, p);
+  return launch_kernel(dispatch_send_kernel<false>, l, 0, stream, p);
 }
 
 int dispatch_send_blocks_per_sm(int warps_per_block) {
-  int n = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, dispatch_send_kernel,
+  int a = 0, b = 0;  // the fewer of either instantiation
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, dispatch_send_kernel<true>,
                                                 warps_per_block * kWarpSize, 0);
-  return n;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, dispatch_send_kernel<false>,
+                                                warps_per_block * kWarpSize, 0);
+  return min(a, b);
 }
 
 }  // namespace jmc

@@ -38,7 +38,9 @@
 namespace jmc {
 namespace {
 
-// Header, payload and scales of token t, written by the whole warp to `rec`.
+// Header, payload and scales of token t, written by the whole warp to `rec`. Every load is
+// issued before the stores (the first 32 slots' expert and weight, the scales, the payload):
+// one round trip for the record where index, payload and scales were one each.
 __device__ __forceinline__ void write_record(const DispatchSendParams& p, uint8_t* rec, int t,
                                              int lane) {
   const Shape& s = p.c.shape;
@@ -46,19 +48,29 @@ __device__ __forceinline__ void write_record(const DispatchSendParams& p, uint8_
   const int k = s.experts_per_token;
   int32_t* header = reinterpret_cast<int32_t*>(rec);
   float* header_weights = reinterpret_cast<float*>(header + 1 + k);
-  if (lane == 0) header[0] = t;
-  for (int j = lane; j < k; j += kWarpSize) {
-    const int e = p.indices[static_cast<size_t>(t) * k + j];
-    header[1 + j] = (e >= 0 && e < s.num_experts) ? e : -1;
-    header_weights[j] = p.weights ? p.weights[static_cast<size_t>(t) * k + j] : 0.0f;
-  }
+  const size_t slots = static_cast<size_t>(t) * k;
+  const int e0 = lane < k ? p.indices[slots + lane] : -1;
+  const float w0 = lane < k && p.weights ? p.weights[slots + lane] : 0.0f;
+  const float* scales = p.x_scale ? p.x_scale + static_cast<size_t>(t) * s.num_scales : nullptr;
+  const ScalesAhead ahead = scales ? load_scales_ahead(scales, s.num_scales, lane) : ScalesAhead{};
   warp_copy(rec + r.header_bytes, p.x + static_cast<size_t>(t) * r.payload_bytes,
             r.payload_bytes, lane);
-  if (p.x_scale != nullptr)
-    warp_copy_floats(reinterpret_cast<float*>(rec + r.header_bytes + r.payload_bytes),
-                     p.x_scale + static_cast<size_t>(t) * s.num_scales, s.num_scales, lane);
+  if (lane == 0) header[0] = t;
+  if (lane < k) {
+    header[1 + lane] = (e0 >= 0 && e0 < s.num_experts) ? e0 : -1;
+    header_weights[lane] = w0;
+  }
+  for (int j = lane + kWarpSize; j < k; j += kWarpSize) {  // k > 32: the rest, in turn
+    const int e = p.indices[slots + j];
+    header[1 + j] = (e >= 0 && e < s.num_experts) ? e : -1;
+    header_weights[j] = p.weights ? p.weights[slots + j] : 0.0f;
+  }
+  if (scales)
+    store_scales(ahead, reinterpret_cast<float*>(rec + r.header_bytes + r.payload_bytes), scales,
+                 s.num_scales, lane);
 }
 
+template <bool kGeneral>  // false: a direct handle (kernels.h, general_path)
 __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) {
   const CommonParams& c = p.c;
   const Shape& s = c.shape;
@@ -140,7 +152,8 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) 
   // a block-wide put that only some threads enter traps (an illegal instruction, seen under
   // compute-sanitizer when a bad expert index poisoned the handle mid-launch).
   const bool publish_all = __syncthreads_and(publish);
-  if (publish_all && sym.staged()) {  // each staged destination's records: one put, whole block
+  // Each staged destination's records: one put, whole block.
+  if (kGeneral && publish_all && sym.staged()) {
     for (int g = 0; g < G; ++g) {
       const int dst = g * dp + my_member;
       const uint32_t count = send_count[g];  // every block's slots are in (is_last_block)

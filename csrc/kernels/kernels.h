@@ -145,6 +145,17 @@ struct BarrierParams {
   uint64_t* timing_ring;  // [kTimingSamples][kTimingSlots]: finished samples' stamps
 };
 
+// Which instantiation of a body a launch runs (the bodies' template argument kGeneral):
+// false for a handle that is direct (every peer load/store), padded and at the worst case,
+// the decode path: its staged, packed and capacity branches then fold away at compile time.
+// With them as runtime branches the kernels' machine code doubled (505b95c -> f97726a: fused
+// combine 3,752 -> 6,376 SASS instructions) and one cycle at 1 token took ~5 us longer.
+// The same fields the bodies would test, fixed for a handle's life: the direct instantiation
+// never sees a staged, packed or capacity handle.
+inline bool general_path(const CommonParams& c) {
+  return c.sym.staged() || c.shape.packed() || c.shape.can_drop();
+}
+
 // Counters of a one-block launch (the fused ops) live in shared memory instead of the scratch
 // arrays: no global atomic round trip per record or row, no reset at the end. Up to this many
 // destinations (send counts) or local experts (row fill); wider shapes use the scratch arrays.
