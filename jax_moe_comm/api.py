@@ -431,7 +431,7 @@ class AllToAll:
         self._plan = ad.Plan(config, axis_name, ad.Rows.of(config, layout, self.max_recv_rows,
                                                            self.expert_capacity),
                              fwd, dispatch_grad, combine_grad,
-                             ad.recv_dequantizes(fwd, differentiable))
+                             ad.recv_dequantizes(fwd))
         self._closed = False
         self._serial = next(_HANDLE_SERIALS)
         self._dispatch_order, self._combine_order = _Half("dispatch"), _Half("combine")

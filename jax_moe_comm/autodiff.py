@@ -251,26 +251,26 @@ def dispatch_send(plan: Plan, x, x_scale, indices, num_tokens, weights, fused: b
 
 
 # JMC_RECV_DEQUANTIZE: a backend that can (nvshmem) dequantizes fp8 rows in its receive kernel
-# instead of XLA's pass over the whole expert_x afterwards (docs/knobs.md). Unset, it is on for
-# inference handles and off for differentiable ones: the H200 run of 2026-12-05 (2745fad)
-# checked the inference path bit for bit against XLA's pass (fused and split, both layouts,
-# the layer's y); the gradient suite has not yet run with it. 1: on for every handle; 0: off.
+# instead of XLA's pass over the whole expert_x afterwards (docs/knobs.md). Unset or 1: on for
+# every handle; 0: off. On the GPU: bit for bit against XLA's pass (H200, 2745fad: fused and
+# split, both layouts, the layer's y), and the whole gradient suite at 2 ranks passed with it
+# (H100, 9448dd0); it took 128 us off V2-Lite's dispatch + combine at 128 tokens per rank and
+# 589 us off R1's (the same H100 call, benchmarks/results/2026-12-05-9448dd0-h100).
 RECV_DEQUANTIZE_ENV = "JMC_RECV_DEQUANTIZE"
 
 
-def recv_dequantizes(backend, differentiable: bool = False) -> bool:
-    """Whether a handle made now on `backend` asks it for bf16 rows. Read once, when the
-    handle is created (Plan.recv_dequantize): dispatch_recv is jitted per plan, so a setting
-    read while tracing would stick to the handle's first trace."""
+def recv_dequantizes(backend) -> bool:
+    """Whether a handle made now on `backend` asks it for bf16 rows (on unless
+    JMC_RECV_DEQUANTIZE=0). Read once, when the handle is created (Plan.recv_dequantize):
+    dispatch_recv is jitted per plan, so a setting read while tracing would stick to the
+    handle's first trace."""
     if not getattr(type(backend), "dequantizes_on_recv", False):
         return False
     setting = os.environ.get(RECV_DEQUANTIZE_ENV, "")
     if setting not in ("", "0", "1"):
-        raise ValueError(f"{RECV_DEQUANTIZE_ENV}={setting!r}: use 1 (every handle), 0 (none) "
-                         "or leave it unset (inference handles only)")
-    if setting:
-        return setting == "1"
-    return not differentiable
+        raise ValueError(f"{RECV_DEQUANTIZE_ENV}={setting!r}: use 0 (XLA dequantizes after "
+                         "dispatch), 1 or leave it unset (the kernel does, the default)")
+    return setting != "0"
 
 
 def _dispatch_out(plan: Plan, dequantize: bool, has_weights: bool, state):

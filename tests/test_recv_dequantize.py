@@ -110,27 +110,29 @@ def test_recv_dequantize_asks_the_backend_and_changes_no_value(monkeypatch, layo
         np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
-def test_recv_dequantize_default_is_on_for_inference_handles(monkeypatch):
-    """Unset: an inference handle on a backend that can dequantize on receive asks it to (the
-    H200 run checked that path bit for bit), a differentiable one does not (its gradient suite
-    has not run with it yet); 1 and 0 set it for both; a backend that cannot is never asked."""
+def test_recv_dequantize_default_is_on_for_every_handle(monkeypatch):
+    """Unset or 1: a handle on a backend that can dequantize on receive asks it to, inference
+    and differentiable alike (the GPU layout suite checked it bit for bit against XLA's pass,
+    the GPU gradient suite passed with it); 0 turns it off; a backend that cannot is never
+    asked; any other value is refused by name."""
     monkeypatch.delenv(autodiff.RECV_DEQUANTIZE_ENV, raising=False)
     can = type("Can", (), {"dequantizes_on_recv": True})()
     assert autodiff.recv_dequantizes(can) is True
-    assert autodiff.recv_dequantizes(can, differentiable=True) is False
     assert autodiff.recv_dequantizes(object()) is False
     monkeypatch.setenv(autodiff.RECV_DEQUANTIZE_ENV, "1")
-    assert autodiff.recv_dequantizes(can, differentiable=True) is True
+    assert autodiff.recv_dequantizes(can) is True
     assert autodiff.recv_dequantizes(object()) is False
     monkeypatch.setenv(autodiff.RECV_DEQUANTIZE_ENV, "0")
     assert autodiff.recv_dequantizes(can) is False
     monkeypatch.setenv(autodiff.RECV_DEQUANTIZE_ENV, "yes")
     with pytest.raises(ValueError, match="JMC_RECV_DEQUANTIZE='yes'"):
         autodiff.recv_dequantizes(can)
-    # the handle's own: a differentiable handle made with the variable unset does not ask
-    monkeypatch.delenv(autodiff.RECV_DEQUANTIZE_ENV)
+    # the handle's own, fixed at creation: both kinds ask with the variable unset, neither with 0
     cfg = EP4_FP8.cfg()
+    monkeypatch.delenv(autodiff.RECV_DEQUANTIZE_ENV)
     assert recv_dequantizing_all_to_all(cfg)._plan.recv_dequantize is True
+    assert recv_dequantizing_all_to_all(cfg, differentiable=True)._plan.recv_dequantize is True
+    monkeypatch.setenv(autodiff.RECV_DEQUANTIZE_ENV, "0")
     assert recv_dequantizing_all_to_all(cfg, differentiable=True)._plan.recv_dequantize is False
 
 
