@@ -16,6 +16,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "kernels/kernels.h"
 
 namespace jmc {
@@ -45,6 +47,17 @@ cudaError_t launch_kernel(void (*kernel)(Params...), Launch l, size_t shared_byt
   config.attrs = &attribute;
   config.numAttrs = l.dependent_launch ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+// Blocks per SM that fit for both instantiations of one body (kernels.h, general_path): a
+// grid sized by this fits whichever of the two a handle launches.
+template <typename... Params>
+int fewer_blocks_per_sm(void (*general)(Params...), void (*direct)(Params...),
+                        int warps_per_block, size_t shared_bytes) {
+  int a = 0, b = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, general, warps_per_block * 32, shared_bytes);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, direct, warps_per_block * 32, shared_bytes);
+  return std::min(a, b);
 }
 
 }  // namespace jmc

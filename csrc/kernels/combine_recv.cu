@@ -19,16 +19,6 @@ cudaError_t launch_typed(const CombineRecvParams& p, Launch l, cudaStream_t stre
   return launch_kernel(combine_recv_kernel<T, false>, l, 0, stream, p);
 }
 
-template <typename T>
-int typed_blocks_per_sm(int warps_per_block) {
-  int a = 0, b = 0;  // the fewer of either instantiation
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, combine_recv_kernel<T, true>,
-                                                warps_per_block * kWarpSize, 0);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, combine_recv_kernel<T, false>,
-                                                warps_per_block * kWarpSize, 0);
-  return min(a, b);
-}
-
 }  // namespace
 
 cudaError_t launch_combine_recv(const CombineRecvParams& p, Launch l, cudaStream_t stream) {
@@ -37,8 +27,10 @@ cudaError_t launch_combine_recv(const CombineRecvParams& p, Launch l, cudaStream
 }
 
 int combine_recv_blocks_per_sm(int warps_per_block) {
-  return min(typed_blocks_per_sm<float>(warps_per_block),
-             typed_blocks_per_sm<__nv_bfloat16>(warps_per_block));
+  return min(fewer_blocks_per_sm(combine_recv_kernel<float, true>,
+                                 combine_recv_kernel<float, false>, warps_per_block, 0),
+             fewer_blocks_per_sm(combine_recv_kernel<__nv_bfloat16, true>,
+                                 combine_recv_kernel<__nv_bfloat16, false>, warps_per_block, 0));
 }
 
 }  // namespace jmc

@@ -22,12 +22,8 @@ cudaError_t launch_combine_send(const CombineSendParams& p, Launch l, cudaStream
 }
 
 int combine_send_blocks_per_sm(int warps_per_block, size_t shared_bytes) {
-  int a = 0, b = 0;  // the fewer of either instantiation
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, combine_send_kernel<true>,
-                                                warps_per_block * kWarpSize, shared_bytes);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, combine_send_kernel<false>,
-                                                warps_per_block * kWarpSize, shared_bytes);
-  return min(a, b);
+  return fewer_blocks_per_sm(combine_send_kernel<true>, combine_send_kernel<false>,
+                             warps_per_block, shared_bytes);
 }
 
 }  // namespace jmc

@@ -22,12 +22,8 @@ cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, Launch l, cudaStre
 }
 
 int dispatch_recv_blocks_per_sm(int warps_per_block, size_t shared_bytes) {
-  int a = 0, b = 0;  // the fewer of either instantiation
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, dispatch_recv_kernel<true>,
-                                                warps_per_block * kWarpSize, shared_bytes);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, dispatch_recv_kernel<false>,
-                                                warps_per_block * kWarpSize, shared_bytes);
-  return min(a, b);
+  return fewer_blocks_per_sm(dispatch_recv_kernel<true>, dispatch_recv_kernel<false>,
+                             warps_per_block, shared_bytes);
 }
 
 }  // namespace jmc

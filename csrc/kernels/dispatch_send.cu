@@ -21,12 +21,8 @@ cudaError_t launch_dispatch_send(const DispatchSendParams& p, Launch l, cudaStre
 }
 
 int dispatch_send_blocks_per_sm(int warps_per_block) {
-  int a = 0, b = 0;  // the fewer of either instantiation
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, dispatch_send_kernel<true>,
-                                                warps_per_block * kWarpSize, 0);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, dispatch_send_kernel<false>,
-                                                warps_per_block * kWarpSize, 0);
-  return min(a, b);
+  return fewer_blocks_per_sm(dispatch_send_kernel<true>, dispatch_send_kernel<false>,
+                             warps_per_block, 0);
 }
 
 }  // namespace jmc
