@@ -6,6 +6,9 @@
 # events, slope; 8 ranks under MPS); the table follows, one column per commit.
 #   for c in 505b95c 5228dcc f97726a; do mkdir -p .old/$c && git archive $c | tar x -C .old/$c; done
 #   COMMITS="505b95c 5228dcc f97726a" TOKENS=1,16 bash scripts/gpu_bisect.sh
+# An entry <commit>+VAR=value[+VAR=value] times the same tree again with those environment
+# settings (built once), e.g. a knob's A/B in the same call:
+#   COMMITS="d2745f9 d2745f9+JMC_FUSED=always" TOKENS=1,4,16 bash scripts/gpu_bisect.sh
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_logs}; mkdir -p "$OUT"
 W=/tmp/bisect; mkdir -p "$W"
@@ -20,7 +23,7 @@ import json, os, sys
 w, commits = sys.argv[1], sys.argv[2:]
 runs = {}
 for c in commits:
-    p = os.path.join(w, f"loop_{c}.json")
+    p = os.path.join(w, "loop_" + c.replace("+", "_").replace("=", "_") + ".json")
     if os.path.exists(p):
         rows = json.load(open(p))["rows"]
         runs[c] = {(r["config"], r["tokens_per_rank"]): r["fit_event_b_us"] for r in rows
@@ -36,14 +39,20 @@ cp "$W"/loop_*.json "$OUT/" 2>/dev/null
 cat "$W"/build_*.log "$W"/loop_*.log > "$OUT/bisect_logs.txt" 2>/dev/null
 }
 for c in ${COMMITS:?set COMMITS (each unpacked in .old/<commit>)}; do
-  [ -d "$ROOT/.old/$c" ] || { echo "-- $c: no .old/$c"; continue; }
-  SRC="$ROOT/.old/$c" TARGET="/tmp/site_$c" BUILD_DIR="/tmp/jmc_$c" LOG="$W/build_$c.log" \
-    bash "$ROOT/scripts/gpu_build.sh" || { echo "-- $c: build failed"; continue; }
-  (cd /tmp && PYTHONPATH="/tmp/site_$c" GIT_COMMIT=$c timeout ${LIMIT:-120} $PY -m jax_moe_comm.launch \
-    -n 8 --oversubscribe --timeout $(( ${LIMIT:-120} - 10 )) -- $PY "$ROOT/.old/$c/benchmarks/bench_loop.py" \
+  tree=${c%%+*}  # the entry's tree; what follows a '+' is environment (split below)
+  envs=(); [[ $c == *+* ]] && IFS=+ read -ra envs <<< "${c#*+}"
+  [ -d "$ROOT/.old/$tree" ] || { echo "-- $c: no .old/$tree"; continue; }
+  if [ ! -d "/tmp/site_$tree" ]; then
+    SRC="$ROOT/.old/$tree" TARGET="/tmp/site_$tree" BUILD_DIR="/tmp/jmc_$tree" \
+      LOG="$W/build_$tree.log" bash "$ROOT/scripts/gpu_build.sh" \
+      || { echo "-- $c: build failed"; continue; }
+  fi
+  (cd /tmp && env "${envs[@]}" PYTHONPATH="/tmp/site_$tree" GIT_COMMIT=$tree timeout ${LIMIT:-120} \
+    $PY -m jax_moe_comm.launch -n 8 --oversubscribe --timeout $(( ${LIMIT:-120} - 10 )) -- \
+    $PY "$ROOT/.old/$tree/benchmarks/bench_loop.py" \
     --tokens "${TOKENS:-1,16}" --ks "${KS:-1,10,50}" --calls 0 --timeline 0 --variants graph \
-    --out "$W/loop_$c.json" > "$W/loop_$c.log" 2>&1)
-  echo "-- $c rc=$? $(grep -c 'us/cycle' "$W/loop_$c.log") rows"
+    --out "$W/loop_${c//[+=]/_}.json" > "$W/loop_${c//[+=]/_}.log" 2>&1)
+  echo "-- $c rc=$? $(grep -c 'us/cycle' "$W/loop_${c//[+=]/_}.log") rows"
   report
 done
 report
