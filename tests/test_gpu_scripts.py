@@ -45,3 +45,37 @@ def test_gpu_bisect_writes_its_table_when_no_commit_ran(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "-- 0000000: no .old/0000000" in r.stdout
     assert (tmp_path / "bisect.md").read_text().startswith("| config | tokens |")
+
+
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+# python3 for gpu_bisect.sh without a GPU: pip installs nothing, the launcher writes one
+# bench_loop row whose figure says which environment it ran with, anything else is python3.
+if [ "$1 $2" = "-m pip" ]; then exit 0; fi
+if [ "$1 $2" = "-m jax_moe_comm.launch" ]; then
+  while [ $# -gt 0 ] && [ "$1" != "--out" ]; do shift; done
+  us=${FAKE_US_DEFAULT}; [ "${JMC_FUSED:-}" = always ] && us=${FAKE_US_FUSED}
+  printf '{"rows": [{"variant": "graph", "config": "V2Lite", "tokens_per_rank": 1, "fit_event_b_us": %s}]}' "$us" > "$2"
+  echo "us/cycle"; exit 0
+fi
+exec python3 "$@"
+"""
+
+
+def test_gpu_bisect_times_one_tree_again_with_an_entrys_environment(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    tree = os.path.join(ROOT, ".old", "test-bisect-env")
+    os.makedirs(os.path.join(tree, "benchmarks"), exist_ok=True)
+    try:
+        r = run("gpu_bisect.sh", out=tmp_path / "out", PYTHON=str(fake),
+                COMMITS="test-bisect-env test-bisect-env+JMC_FUSED=always",
+                FAKE_US_DEFAULT="35.0", FAKE_US_FUSED="47.5")
+    finally:
+        import shutil
+        shutil.rmtree(tree)
+    assert r.returncode == 0, r.stderr
+    assert "-- test-bisect-env+JMC_FUSED=always rc=0 1 rows" in r.stdout, r.stdout
+    table = (tmp_path / "out" / "bisect.md").read_text()
+    assert "| test-bisect-env | test-bisect-env+JMC_FUSED=always |" in table, table
+    assert "| V2Lite | 1 | 35.0 | 47.5 |" in table, table
