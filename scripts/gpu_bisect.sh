@@ -42,10 +42,11 @@ for c in ${COMMITS:?set COMMITS (each unpacked in .old/<commit>)}; do
   tree=${c%%+*}  # the entry's tree; what follows a '+' is environment (split below)
   envs=(); [[ $c == *+* ]] && IFS=+ read -ra envs <<< "${c#*+}"
   [ -d "$ROOT/.old/$tree" ] || { echo "-- $c: no .old/$tree"; continue; }
-  if [ ! -d "/tmp/site_$tree" ]; then
+  if [ ! -f "/tmp/site_$tree/.jmc_built" ]; then  # (a failed build leaves no mark)
     SRC="$ROOT/.old/$tree" TARGET="/tmp/site_$tree" BUILD_DIR="/tmp/jmc_$tree" \
       LOG="$W/build_$tree.log" bash "$ROOT/scripts/gpu_build.sh" \
       || { echo "-- $c: build failed"; continue; }
+    mkdir -p "/tmp/site_$tree" && touch "/tmp/site_$tree/.jmc_built"
   fi
   (cd /tmp && env "${envs[@]}" PYTHONPATH="/tmp/site_$tree" GIT_COMMIT=$tree timeout ${LIMIT:-120} \
     $PY -m jax_moe_comm.launch -n 8 --oversubscribe --timeout $(( ${LIMIT:-120} - 10 )) -- \

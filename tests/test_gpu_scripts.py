@@ -3,6 +3,7 @@ session, where a mistake costs device time): scripts/gpu_pack.sh keeps what a ca
 back within the 8-file limit, scripts/gpu_bisect.sh writes its table even when nothing ran."""
 
 import os
+import shutil
 import subprocess
 import tarfile
 
@@ -50,7 +51,7 @@ def test_gpu_bisect_writes_its_table_when_no_commit_ran(tmp_path):
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 # python3 for gpu_bisect.sh without a GPU: pip installs nothing, the launcher writes one
 # bench_loop row whose figure says which environment it ran with, anything else is python3.
-if [ "$1 $2" = "-m pip" ]; then exit 0; fi
+if [ "$1 $2" = "-m pip" ]; then echo pip >> "$FAKE_LOG"; exit 0; fi
 if [ "$1 $2" = "-m jax_moe_comm.launch" ]; then
   while [ $# -gt 0 ] && [ "$1" != "--out" ]; do shift; done
   us=${FAKE_US_DEFAULT}; [ "${JMC_FUSED:-}" = always ] && us=${FAKE_US_FUSED}
@@ -70,12 +71,13 @@ def test_gpu_bisect_times_one_tree_again_with_an_entrys_environment(tmp_path):
     try:
         r = run("gpu_bisect.sh", out=tmp_path / "out", PYTHON=str(fake),
                 COMMITS="test-bisect-env test-bisect-env+JMC_FUSED=always",
-                FAKE_US_DEFAULT="35.0", FAKE_US_FUSED="47.5")
+                FAKE_US_DEFAULT="35.0", FAKE_US_FUSED="47.5", FAKE_LOG=str(tmp_path / "pip.log"))
     finally:
-        import shutil
         shutil.rmtree(tree)
+        shutil.rmtree("/tmp/site_test-bisect-env", ignore_errors=True)
     assert r.returncode == 0, r.stderr
     assert "-- test-bisect-env+JMC_FUSED=always rc=0 1 rows" in r.stdout, r.stdout
     table = (tmp_path / "out" / "bisect.md").read_text()
     assert "| test-bisect-env | test-bisect-env+JMC_FUSED=always |" in table, table
     assert "| V2Lite | 1 | 35.0 | 47.5 |" in table, table
+    assert (tmp_path / "pip.log").read_text() == "pip\n"  # one build for both entries
