@@ -113,7 +113,9 @@ def parse(argv=None):
     p.add_argument("--expert-gemm", default="einsum,tokamax,masked,ragged_dot",
                    help=f"options (expert_gemm.OPTIONS {G.OPTIONS}) in priority order; "
                    "tokamax@<kernel spec> (e.g. tokamax@m128s2p1) runs tokamax with "
-                   "JMC_TOKAMAX_IMPL=mosaic:<spec> for that row")
+                   "JMC_TOKAMAX_IMPL=mosaic:<spec> for that row; a suffix ~<f>/<f>... "
+                   "(e.g. tokamax~1.25/2) runs it with MoELayerConfig(gemm_row_buckets="
+                   "(1.25, 2)), packed rows only")
     p.add_argument("--defer", default="masked,ragged_dot",
                    help="options run only after every other row")
     p.add_argument("--all-combos", action="store_true", help="every option on every layout "
@@ -298,13 +300,17 @@ class Case:
         return "decode" if self.tokens <= DECODE_MAX_TOKENS else "prefill"
 
     @property
-    def option(self) -> str:  # the layer's expert_gemm: a "tokamax@<spec>" row runs "tokamax"
-        return self.gemm.partition("@")[0]
+    def option(self) -> str:  # the layer's expert_gemm: a "tokamax@<spec>~<buckets>" row runs
+        return self.gemm.partition("~")[0].partition("@")[0]  # "tokamax"
 
     @property
     def tokamax_impl(self) -> str | None:  # JMC_TOKAMAX_IMPL while a "tokamax@<spec>" row runs
-        _, at, spec = self.gemm.partition("@")
+        _, at, spec = self.gemm.partition("~")[0].partition("@")
         return G.TOKAMAX_SPEC_PREFIX + spec if at else None
+
+    @property
+    def row_buckets(self) -> tuple[float, ...]:  # MoELayerConfig.gemm_row_buckets ("~1.25/2")
+        return row_buckets_of(self.gemm)
 
     @property
     def group(self):  # what shares one handle and one comm-only measurement
@@ -316,10 +322,30 @@ def supported(case: Case) -> bool:
     return EXPERT_CAPACITY if case.layout == "padded" else CAPACITY
 
 
+def row_buckets_of(gemm: str) -> tuple[float, ...]:
+    """The capacity factors after an --expert-gemm entry's "~" ("tokamax~1.25/2" -> (1.25,
+    2.0)); () without one."""
+    _, tilde, buckets = gemm.partition("~")
+    if not tilde:
+        return ()
+    try:
+        return tuple(float(f) for f in buckets.split("/"))
+    except ValueError:
+        raise ValueError(f"--expert-gemm {gemm!r}: ~ takes capacity factors joined by '/', "
+                         "e.g. tokamax~1.25/2") from None
+
+
 def check_gemm(gemm: str) -> str:
     """An --expert-gemm entry: an expert_gemm option, or "tokamax@<spec>" (tokamax with that
-    kernel spec, expert_gemm.TOKAMAX_SPEC_GRAMMAR); returns the option."""
-    option, at, spec = gemm.partition("@")
+    kernel spec, expert_gemm.TOKAMAX_SPEC_GRAMMAR), either with "~<f>/<f>..." (row buckets,
+    MoELayerConfig.gemm_row_buckets); returns the option."""
+    buckets = row_buckets_of(gemm)
+    if buckets:
+        MoELayerConfig(gemm_row_buckets=buckets)  # (its checks: factors > 0)
+        if gemm.partition("@")[0].partition("~")[0] == "einsum":
+            raise ValueError(f"--expert-gemm {gemm!r}: row buckets need packed rows; the "
+                             "einsum runs padded ones")
+    option, at, spec = gemm.partition("~")[0].partition("@")
     G.check_option(option)
     if at:
         if option != "tokamax":
@@ -360,6 +386,8 @@ def combos(args):
         option = check_gemm(gemm)
         for layout in args.layouts.split(","):
             native = G.NATIVE_LAYOUT.get(G.resolve(option, layout=layout))
+            if row_buckets_of(gemm) and layout != "packed":
+                continue  # buckets cut packed rows only
             if args.all_combos or gemm == "einsum" or native == layout:
                 out.append((layout, gemm))
     return out
@@ -579,6 +607,8 @@ class Bench:
                   shared_expert=self.args.shared_expert, expert_gemm=case.option)
         if case.capacity and "capacity_factor" in LAYER_FIELDS:
             kw["capacity_factor"] = case.capacity
+        if case.row_buckets:
+            kw["gemm_row_buckets"] = case.row_buckets
         return MoELayerConfig(**kw)
 
     def config_params(self, case: Case, att: Attempt):
@@ -691,6 +721,7 @@ class Bench:
                         os.environ.get(G.TOKAMAX_IMPL_ENV) if resolved in G.NEEDS_TOKAMAX
                         else None),
                     expert_gemm_resolved=resolved,
+                    gemm_row_buckets=list(case.row_buckets) or None,
                     dispatch_dtype="bf16" if self.args.bf16 else "fp8",
                     capacity_factor=case.capacity or None, overflow=case.overflow or None,
                     skew=case.skew, kind=case.kind, wanted_capacity_factor=case.wanted or None,

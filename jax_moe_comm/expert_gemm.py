@@ -399,10 +399,56 @@ def _via_packed(fn, x, counts, w_in, w_out, out_dtype, total_rows):
     return unpack_rows(fn(packed, counts, w_in, w_out, out_dtype), counts, R)
 
 
+# -- row buckets: a grouped GEMM over fewer static rows when fewer are live ------------------
+# A grouped GEMM's grid is sized by its static rows: tokamax starts a block per row tile of the
+# buffer, live or not, and under MPS (16 SMs a rank) a worst-case buffer's idle tiles cost
+# waves (V2-Lite, 128 tokens: 6,144 rows for ~768 live, the layer 1.96x its floor on an H100
+# against 1.52x with a 1.25 capacity). Buckets run it on the smallest static prefix of the
+# rows that holds every live row, picked on the device by a conditional.
+BUCKET_ALIGN = 8  # a bucket's rows (recv_rows_for's are multiples of 8 already)
+
+
+def bucket_rows(rows: int, sizes) -> tuple[int, ...]:
+    """The static row counts of a bucketed GEMM on `rows` packed rows: each of `sizes` rounded
+    up to BUCKET_ALIGN, those below `rows`, then `rows` itself (the last bucket holds any
+    load), ascending and distinct."""
+    for b in sizes:
+        if int(b) < 1:
+            raise ValueError(f"row bucket {b}: a bucket holds at least one row")
+    aligned = {-(-int(b) // BUCKET_ALIGN) * BUCKET_ALIGN for b in sizes}
+    return tuple(sorted(b for b in aligned if b < rows)) + (rows,)
+
+
+def bucketed_mlp(fn, x, group_sizes, w_in, w_out, out_dtype, buckets):
+    """fn (a packed-rows option: (x [T, H], group_sizes, w_in, w_out, out_dtype) -> [T, H]) run
+    on x[:b] for the smallest b of `buckets` (bucket_rows) with b >= sum(group_sizes), chosen
+    on the device (lax.switch); rows past b come back as zeros (combine never reads them).
+
+    On a GPU the switch is an XLA conditional. Inside a command buffer it is a CUDA graph
+    conditional node, but only if CONDITIONAL is among the command types
+    (`--xla_gpu_enable_command_buffer=+CONDITIONAL`, docs/knobs.md); otherwise XLA reads the
+    branch index on the host, which waits for the GPU there. Differentiable: each branch is
+    fn's own rule on its rows."""
+    rows = x.shape[0]
+    if len(buckets) == 1:
+        return fn(x, group_sizes, w_in, w_out, out_dtype)
+    live = jnp.sum(group_sizes.astype(jnp.int32))
+    # the first bucket that holds every live row (the last always does: rows >= live)
+    index = jnp.sum((live > jnp.asarray(buckets[:-1], jnp.int32)).astype(jnp.int32))
+
+    def branch(b):
+        def run(x, group_sizes, w_in, w_out):
+            y = fn(x[:b], group_sizes, w_in, w_out, out_dtype)
+            return y if b == rows else jnp.pad(y, ((0, rows - b), (0, 0)))
+        return run
+
+    return jax.lax.switch(index, [branch(b) for b in buckets], x, group_sizes, w_in, w_out)
+
+
 # -- the layer's entry point -----------------------------------------------------------------
 def expert_mlp(x, counts, w_in, w_out, option: str = "auto", *, out_dtype=f32,
                rows_per_expert: int | None = None, total_rows: int | None = None,
-               grad_window: int | None = None):
+               grad_window: int | None = None, row_buckets=None):
     """This rank's experts on dispatch's rows, in x's layout, through `option` (OPTIONS).
 
     x: padded [L, P, H] (P rows per expert: the handle's expert_capacity; row r of expert e
@@ -413,8 +459,28 @@ def expert_mlp(x, counts, w_in, w_out, option: str = "auto", *, out_dtype=f32,
     and total_rows (padded x: the most live rows in all, min(L*P, max_recv_total)) size the
     other layout when the option converts (defaults: T, and L*P). grad_window: rows per expert
     of "tokamax"'s weight-gradient GEMM (grouped_vjp; e.g. MoEConfig.rows_per_expert_for(2)).
+    row_buckets: packed x only, with an option that runs on packed rows ("tokamax",
+    "ragged_dot", "masked"): static row counts (e.g. MoEConfig.recv_rows_for(1.25)) to run the
+    GEMMs on the smallest that holds the live rows (bucketed_mlp); None or () runs all T rows.
+    "auto" where it means the padded einsum (CPU) runs without them.
     """
+    requested = option
     option = resolve(option, layout="padded" if x.ndim == 3 else "packed")
+    if row_buckets and requested == "auto" and option == "einsum":
+        row_buckets = None  # the platform's choice has no packed GEMM to cut
+    if row_buckets:
+        if x.ndim == 3 or option == "einsum":
+            raise ValueError(
+                f"row_buckets={tuple(row_buckets)} needs packed rows and an option that runs "
+                f"on them (tokamax, ragged_dot, masked); got a {x.ndim}-d x with "
+                f"expert_gemm={option!r}")
+        buckets = bucket_rows(x.shape[0], row_buckets)
+
+        def on_rows(xb, gs, wi, wo, od):  # the option on a bucket's rows (window <= rows)
+            window = min(grad_window, xb.shape[0]) if grad_window else None
+            return expert_mlp(xb, gs, wi, wo, option, out_dtype=od, grad_window=window)
+
+        return bucketed_mlp(on_rows, x, counts, w_in, w_out, out_dtype, buckets)
     packed_fn = _grouped_mlp if option == "masked" else _PACKED_FNS.get(option)
     if x.ndim == 3:  # padded
         if option == "einsum":

@@ -126,6 +126,9 @@ class MoE(nnx.Module):
       times its budget's mean load under uniform routing: packed rows per rank
       (MoEConfig.recv_rows_for) with layout="packed", padded rows per local expert
       (MoEConfig.rows_per_expert_for, for the batched einsum) with layout="padded".
+    gemm_row_buckets: as MoELayerConfig (layout="packed" only): the expert GEMMs run on the
+      smallest of these row counts (capacity factors of each budget's mean load) that holds
+      the live rows, picked on the device.
     eager_handles: create the handles now when not tracing (else: create_handles(model)).
     """
 
@@ -139,7 +142,8 @@ class MoE(nnx.Module):
                  router_init=None, fp8_dispatch: bool = False, backend: str = "auto",
                  layout: str = "packed", differentiable: bool = True,
                  expert_gemm: str = "auto", capacity_factor: float | None = None,
-                 overflow: str = "fail", eager_handles: bool = True, rngs: nnx.Rngs):
+                 overflow: str = "fail", gemm_row_buckets: Sequence[float] = (),
+                 eager_handles: bool = True, rngs: nnx.Rngs):
         self.mesh = mesh
         self.expert_axes, self.data_axes = self._check_axes(mesh, expert_axis, axis_name,
                                                             data_axes)
@@ -158,7 +162,10 @@ class MoE(nnx.Module):
                                     hidden=hidden, ffn=ffn, max_num_tokens=self.budgets[-1],
                                     shared_expert=shared_expert, fp8_dispatch=fp8_dispatch,
                                     expert_gemm=expert_gemm, capacity_factor=capacity_factor,
-                                    overflow=overflow)
+                                    overflow=overflow, gemm_row_buckets=tuple(gemm_row_buckets))
+        if self.layer.gemm_row_buckets and layout != "packed":
+            raise ValueError(f"gemm_row_buckets={self.layer.gemm_row_buckets} needs "
+                             f"layout='packed' (got {layout!r}): buckets cut packed rows")
         self.ep = int(np.prod([mesh.shape[a] for a in self.expert_axes]))
         self.comm = self.layer.comm_config(self.ep)  # validates E % EP, H, k
         self.layer.handle_kwargs(self.ep, layout)  # validates the capacity for the layout
@@ -538,7 +545,7 @@ def layer_forward(a2a: AllToAll, layer: MoELayerConfig, cfg: rtr.RouterConfig, p
         shared = mlp(x, params["shared_in"], params["shared_out"])
         pending = pending._replace(state=order_after(pending.state, shared))
     out = a2a.dispatch_recv(pending)
-    expert_y = experts_forward(a2a, params, out, layer.expert_gemm)
+    expert_y = experts_forward(a2a, params, out, layer.expert_gemm, layer.gemm_row_buckets)
     y = a2a.combine(expert_y, out.routing, routed.indices, routed.weights, n)
     y = y.astype(jnp.float32)
     if shared is not None:

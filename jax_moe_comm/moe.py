@@ -44,11 +44,32 @@ class MoELayerConfig:
     # "drop": their slots add nothing to y).
     capacity_factor: float | None = None
     overflow: str = "fail"
+    # Packed layout: run the expert GEMMs on the smallest static prefix of the buffer's rows
+    # that holds every live row, picked on the device from these sizes, each a multiple of the
+    # mean load like capacity_factor (e.g. (1.25, 2.0); expert_gemm.bucketed_mlp). A GEMM's grid
+    # is sized by its static rows, so a worst-case buffer otherwise pays for its idle tiles.
+    # () runs every row; so does "auto" where it means the einsum (CPU). On a GPU it needs
+    # CONDITIONAL in XLA's command buffers to avoid a host wait per layer (docs/knobs.md).
+    gemm_row_buckets: tuple[float, ...] = ()
 
     def __post_init__(self):
         gemm.check_option(self.expert_gemm)
         if self.capacity_factor is not None:
             check_capacity_factor(self.capacity_factor)
+        buckets = self.gemm_row_buckets
+        if not isinstance(buckets, (tuple, list)):
+            raise ValueError(f"gemm_row_buckets={buckets!r}: a tuple of capacity factors, e.g. "
+                             "(1.25, 2.0), or () for none")
+        for f in buckets:
+            try:
+                check_capacity_factor(f)
+            except ValueError as e:
+                raise ValueError(f"gemm_row_buckets={tuple(buckets)}: {e}") from None
+        if buckets and self.expert_gemm == "einsum":
+            raise ValueError(f"gemm_row_buckets={tuple(buckets)} with expert_gemm='einsum': "
+                             "the einsum runs padded rows; buckets cut packed ones (tokamax, "
+                             "ragged_dot, masked, or auto)")
+        object.__setattr__(self, "gemm_row_buckets", tuple(float(f) for f in buckets))
         if self.overflow not in OVERFLOWS:
             raise ValueError(f"overflow={self.overflow!r}; expected one of {OVERFLOWS}")
 
@@ -106,10 +127,12 @@ def mlp(x, w_in, w_out):
     return jnp.dot(h.astype(jnp.bfloat16), w_out, preferred_element_type=jnp.float32)
 
 
-def experts_forward(a2a: AllToAll, params, out, expert_gemm: str = "auto"):
+def experts_forward(a2a: AllToAll, params, out, expert_gemm: str = "auto",
+                    row_buckets: tuple[float, ...] = ()):
     """This rank's experts on dispatch's output: expert_y in the handle's layout and combine
     dtype. `params["w_in"]` [L, H, F], `params["w_out"]` [L, F, H] (this rank's slice).
-    expert_gemm: how the GEMMs run (expert_gemm.OPTIONS)."""
+    expert_gemm: how the GEMMs run (expert_gemm.OPTIONS). row_buckets: packed layout only,
+    capacity factors of the GEMMs' row buckets (MoELayerConfig.gemm_row_buckets)."""
     ex = out.expert_x
     if out.expert_x_scale is not None:
         ex = dequantize_fp8(ex, out.expert_x_scale).astype(jnp.bfloat16)
@@ -121,12 +144,16 @@ def experts_forward(a2a: AllToAll, params, out, expert_gemm: str = "auto"):
     else:  # packed [C, H]: one expert holds at most min(C, max_recv_tokens) of them
         total_rows = ex.shape[0]
         rows_per_expert = min(total_rows, cfg.max_recv_tokens)
+    if row_buckets and ex.ndim == 3:
+        raise ValueError(f"gemm_row_buckets={tuple(row_buckets)} applies to the packed layout; "
+                         "this handle's layout is padded (its expert_capacity sizes the rows)")
     return gemm.expert_mlp(ex, out.expert_num_tokens, params["w_in"], params["w_out"],
                            expert_gemm, out_dtype=cfg.combine_dtype,
                            rows_per_expert=rows_per_expert, total_rows=total_rows,
                            grad_window=gemm.grad_window_for(
                                rows_per_expert, cfg.num_local_experts,
-                               mean_rows=cfg.expected_rows_per_expert))
+                               mean_rows=cfg.expected_rows_per_expert),
+                           row_buckets=tuple(cfg.recv_rows_for(f) for f in row_buckets))
 
 
 def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens, drop=None,
@@ -145,7 +172,7 @@ def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens, drop=
         # only the state is tied: tying the gradient rule's inputs too would copy x
         pending = pending._replace(state=order_after(pending.state, shared))
     out = a2a.dispatch_recv(pending)
-    expert_y = experts_forward(a2a, params, out, cfg.expert_gemm)
+    expert_y = experts_forward(a2a, params, out, cfg.expert_gemm, cfg.gemm_row_buckets)
     y = a2a.combine(expert_y, out.routing, indices, weights, num_tokens)
     if shared is not None:
         y = (y.astype(jnp.float32) + shared).astype(jnp.bfloat16)

@@ -27,6 +27,7 @@ case failed on any rank.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -143,7 +144,7 @@ def main() -> int:
                 want = PeerAbortedError if BACKEND == "nvshmem" else None
             assert raised is want, f"rank {RANK}: raised {raised}, expected {want}"
 
-    @case(f"EP{WORLD}-moe-layer-ragged-dot-vs-dense-and-padded")
+    @case(f"EP{WORLD}-moe-layer-ragged-dot-vs-dense-and-padded-and-row-buckets")
     def layer():
         cfg = MoELayerConfig(num_experts=4 * WORLD, experts_per_token=4, hidden=512, ffn=1024,
                              max_num_tokens=32)
@@ -153,12 +154,18 @@ def main() -> int:
         rng = np.random.default_rng(3)
         m = cfg.max_num_tokens
         x = rng.standard_normal((WORLD * m, cfg.hidden)).astype(bf16)
-        nt = rng.integers(0, m + 1, WORLD).astype(np.int32)
+        nt = rng.integers(0, m + 1, WORLD).astype(np.int32)  # loads differ: so do buckets
         outs = {}
-        for layout in ("packed", "padded"):
+        # "buckets": the packed layer with gemm_row_buckets (0.5x and 1x the mean load, then
+        # the whole buffer), the bucket picked on the device per rank (an XLA conditional);
+        # ragged_dot by name: "auto" is the einsum where tokamax does not import (no buckets)
+        bucketed = dataclasses.replace(cfg, expert_gemm="ragged_dot",
+                                       gemm_row_buckets=(0.5, 1.0))
+        for name, layout, lcfg in (("packed", "packed", cfg), ("padded", "padded", cfg),
+                                   ("buckets", "packed", bucketed)):
             with AllToAll(cfg.comm_config(WORLD), backend=BACKEND, layout=layout) as a2a:
-                y = layer_step(a2a, cfg, mesh, pspecs)(dev, put(mesh, x), put(mesh, nt))
-                outs[layout] = mine(y, m)
+                y = layer_step(a2a, lcfg, mesh, pspecs)(dev, put(mesh, x), put(mesh, nt))
+                outs[name] = mine(y, m)
                 a2a.check()
         local = jax.local_devices()[0]
         p_local = {k: jax.device_put(v, local) for k, v in params.items()}
@@ -169,8 +176,10 @@ def main() -> int:
             assert err <= 0.05, f"rank {r}: packed vs dense {err}"
             diff = np.abs(y.astype(np.float32) - outs["padded"][r].astype(np.float32)).max()
             assert diff <= 0.05, f"rank {r}: packed vs padded {diff}"
+            diff = np.abs(y.astype(np.float32) - outs["buckets"][r].astype(np.float32)).max()
+            assert diff <= 0.05, f"rank {r}: packed vs packed with row buckets {diff}"
             worst = max(worst, float(err))
-        return f"max|y - dense|={worst:.3g}"
+        return f"max|y - dense|={worst:.3g}; row buckets {bucketed.gemm_row_buckets} agree"
 
     @case(f"EP{WORLD}-flax-decode-varying-tokens")
     def flax_decode():

@@ -324,3 +324,33 @@ def test_capacity_gemm_list_gives_a_capacity_row_per_option(tmp_path, fake_site)
     packed = [(r["gemm"], r["skew"], r["kind"]) for r in rows if r["layout"] == "packed"]
     assert packed == [("tokamax@m128", 0.0, "layer"), ("tokamax", 0.0, "layer"),
                       ("tokamax@m128", 0.9, "layer"), ("tokamax@m128", 0.9, "fail_check")]
+
+
+def test_row_bucket_rows_run_on_packed_rows_only(tmp_path, fake_site):
+    """--expert-gemm tokamax~0.5/1: MoELayerConfig(gemm_row_buckets=(0.5, 1.0)) on the packed
+    layout alone (buckets cut packed rows); the row records its buckets, runs and is right."""
+    rows = _plan(fake_site, tmp_path, "--configs", "tiny", "--tokens", "4", "--layouts",
+                 "padded,packed", "--expert-gemm", "einsum,tokamax~0.5/1", "--capacity-factor",
+                 "0", "--skew", "0")
+    assert [(r["layout"], r["gemm"]) for r in rows] == [
+        ("padded", "einsum"), ("packed", "einsum"), ("packed", "tokamax~0.5/1")]
+    out = tmp_path / "out"
+    run([LAYER, "--configs", "tiny", "--tokens", "4", "--layouts", "padded,packed",
+         "--expert-gemm", "einsum,tokamax~0.5/1", "--capacity-factor", "0", "--skew", "0",
+         "--name", "smoke", "--out", str(out), *FAST], fake_site, tmp_path)
+    reference, _, row = layer_json(out)["rows"]  # (the padded einsum: the others' reference)
+    assert reference["gemm_row_buckets"] is None and reference["err"] == 0.0
+    assert row["gemm_row_buckets"] == [0.5, 1.0] and row["expert_gemm_resolved"] == "tokamax"
+    assert row["status"] == "ok" and row["correct"] is True and row["err"] <= 0.05, row
+
+
+@pytest.mark.parametrize("entry,why", [("tokamax~", "capacity factors joined by '/'"),
+                                       ("tokamax~1.25/x", "capacity factors joined by '/'"),
+                                       ("tokamax~0", "finite number > 0"),
+                                       ("einsum~1.25", "need packed rows")])
+def test_bad_row_bucket_entries_are_refused(tmp_path, fake_site, entry, why):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.pathsep.join([fake_site] + [p for p in [env.get("PYTHONPATH")] if p])
+    r = subprocess.run([sys.executable, LAYER, "--plan", "--expert-gemm", entry], env=env,
+                       capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
+    assert r.returncode != 0 and why in r.stderr, r.stderr[-2000:]

@@ -408,3 +408,95 @@ def test_tokamax_grads_with_rows_over_dp_ep_and_weights_over_ep(monkeypatch):
         expert_gemm._tokamax_dot.cache_clear()
     close("d w_in", got[0], want[0])
     close("d w_out", got[1], want[1])
+
+
+# -- row buckets (expert_gemm.bucketed_mlp): fewer static rows when fewer are live -----------
+def test_bucket_rows_align_drop_the_oversized_and_end_with_all_rows():
+    assert expert_gemm.bucket_rows(6144, (960, 1536)) == (960, 1536, 6144)
+    assert expert_gemm.bucket_rows(512, (100, 104, 600)) == (104, 512)  # 600 >= the rows
+    assert expert_gemm.bucket_rows(96, ()) == (96,)
+    with pytest.raises(ValueError, match="at least one row"):
+        expert_gemm.bucket_rows(96, (0,))
+
+
+@pytest.mark.parametrize("counts", [[10, 20, 5, 7], [100, 50, 30, 40], [200, 150, 100, 62]])
+def test_bucketed_rows_give_the_same_live_rows_and_gradients(counts):
+    """Loads that fit the first bucket, the second, and only the whole buffer (512 rows): the
+    live rows and every gradient equal the unbucketed option's, rows past them are zero."""
+    rng = np.random.default_rng(1)
+    rows, gs = 512, jnp.asarray(counts, jnp.int32)
+    n = int(gs.sum())
+    x = jnp.asarray(rng.standard_normal((rows, H)), jnp.bfloat16)
+    w_in = jnp.asarray(rng.standard_normal((L, H, F)) / np.sqrt(H), jnp.bfloat16)
+    w_out = jnp.asarray(rng.standard_normal((L, F, H)) / np.sqrt(F), jnp.bfloat16)
+
+    def loss(x, w_in, w_out, buckets):
+        y = expert_gemm.expert_mlp(x, gs, w_in, w_out, "ragged_dot", row_buckets=buckets)
+        return jnp.sum(y[:n].astype(jnp.float32) ** 2), y
+
+    (_, want), want_g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+        x, w_in, w_out, None)
+    (_, got), got_g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+        x, w_in, w_out, (100, 250))
+    close("live rows", got[:n], want[:n], rtol=1e-6)
+    assert not np.any(np.asarray(got[n:], np.float32))
+    for name, g, w in zip(("d x", "d w_in", "d w_out"), got_g, want_g):
+        close(name, g, w, rtol=1e-6)
+    # the switch picked a bucket by the load: its index is in the program, not a constant
+    text = jax.jit(lambda x: expert_gemm.expert_mlp(x, gs, w_in, w_out, "ragged_dot",
+                                                    row_buckets=(100, 250))).lower(x).as_text()
+    assert "case" in text or "conditional" in text
+
+
+def test_row_buckets_refuse_padded_rows_and_the_einsum():
+    x, w_in, w_out, _, _ = padded_data()
+    with pytest.raises(ValueError, match="needs packed rows"):
+        expert_gemm.expert_mlp(jnp.asarray(x), jnp.asarray(COUNTS), w_in, w_out, "masked",
+                               row_buckets=(8,))
+    packed = jnp.zeros((TOTAL, H), jnp.bfloat16)
+    with pytest.raises(ValueError, match="expert_gemm='einsum'"):
+        expert_gemm.expert_mlp(packed, jnp.asarray(COUNTS), w_in, w_out, "einsum",
+                               row_buckets=(8,))
+
+
+def test_auto_where_it_means_the_einsum_runs_without_buckets():
+    """On CPU "auto" is the padded einsum: buckets are dropped, not an error (the same layer
+    config runs on a GPU with them)."""
+    x, w_in, w_out, _, live = padded_data()
+    packed = jnp.asarray(to_packed(x, live))
+    want = expert_gemm.expert_mlp(packed, jnp.asarray(COUNTS), w_in, w_out, "auto")
+    got = expert_gemm.expert_mlp(packed, jnp.asarray(COUNTS), w_in, w_out, "auto",
+                                 row_buckets=(8,))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("buckets,why", [(1.25, "a tuple of capacity factors"),
+                                         ((1.25, 0.0), "finite number > 0"),
+                                         ((float("nan"),), "finite number > 0")])
+def test_layer_config_refuses_bad_row_buckets(buckets, why):
+    with pytest.raises(ValueError, match=why):
+        MoELayerConfig(**LAYER, gemm_row_buckets=buckets)
+    with pytest.raises(ValueError, match="the einsum runs padded rows"):
+        MoELayerConfig(**LAYER, expert_gemm="einsum", gemm_row_buckets=(1.25,))
+
+
+def test_layer_gradients_with_row_buckets_match_the_einsum_option(einsum_layer):
+    """Through dispatch, the bucketed GEMMs and combine under shard_map: buckets of 0.25x and
+    0.5x the mean load, then the whole buffer: 8, 16 and 36 rows (these inputs load 10 and 13
+    rows: the middle bucket)."""
+    cfg = MoELayerConfig(**LAYER, expert_gemm="ragged_dot", gemm_row_buckets=(0.25, 0.5))
+    mesh = T.make_mesh(WORLD)
+    a2a = AllToAll(cfg.comm_config(WORLD), differentiable=True, layout="packed")
+    comm = a2a.config
+    assert expert_gemm.bucket_rows(comm.max_recv_total,
+                                   [comm.recv_rows_for(f) for f in (0.25, 0.5)]) == (8, 16, 36)
+    x, nt, G, drop = T.layer_grad_inputs(cfg, WORLD, 7, drop_rate=0.2)
+    try:
+        (grads,), dx = T.run_layer_grads(a2a, cfg, mesh, [init_params(cfg, 3)], x, nt, G, drop)
+    finally:
+        a2a.close()
+    (want,), want_dx = einsum_layer
+    for rank in range(WORLD):
+        for name, g in grads[rank].items():
+            close(f"rank {rank} d {name}", g, want[rank][name])
+        close(f"rank {rank} d x", dx[rank], want_dx[rank])

@@ -66,6 +66,22 @@ def test_bsh_and_th_inputs_on_a_data_expert_mesh_match_the_dense_layer():
     moe.close()
 
 
+def test_row_buckets_give_the_dense_layers_output(monkeypatch):
+    """gemm_row_buckets: the GEMMs on 0.5x or 1x the mean load's rows, or the whole buffer,
+    whichever holds each rank's live rows; the output is still the dense layer's."""
+    from jax_moe_comm import expert_gemm
+    traced = []
+    real = expert_gemm.bucketed_mlp
+    monkeypatch.setattr(expert_gemm, "bucketed_mlp",
+                        lambda *a: traced.append(a[-1]) or real(*a))
+    moe = make(mesh2(), expert_gemm="ragged_dot", gemm_row_buckets=(0.5, 1.0))
+    x = np.random.default_rng(3).standard_normal((64, H)).astype(jnp.bfloat16)
+    y = nnx.jit(lambda m, x: m(x, 64))(moe, jnp.asarray(x))
+    assert traced and len(traced[0]) == 3, traced  # two buckets and the whole buffer
+    close_to_dense(moe, x, y, num_tokens=64)
+    moe.close()
+
+
 def test_routing_is_the_layers_choice_with_its_scores_and_margin():
     """MoE.routing, on global arrays and on one device with full params: the experts the
     layer's router (route_tokens) chooses, the selection scores (sigmoid + expert bias) and
@@ -244,6 +260,7 @@ def test_layers_share_one_handle_and_train_like_the_dense_layer():
     (dict(data_axes="expert"), "must name distinct mesh axes"),
     (dict(num_experts=6), "num_experts=6 is not divisible by the 4 ranks"),
     (dict(layout="sparse"), r"layout='sparse'; expected one of \('padded', 'packed'\)"),
+    (dict(layout="padded", gemm_row_buckets=(1.0,)), "needs layout='packed'"),
     (dict(router=RouterConfig(num_groups=4, topk_groups=1), experts_per_token=3),
      "experts_per_token=3 exceeds the 2 experts of the topk_groups=1 groups"),
 ])
