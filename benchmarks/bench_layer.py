@@ -419,6 +419,8 @@ def plan(args) -> list[Case]:
     for g in cap_gemms:
         check_gemm(g)
     check_gemm(pg)
+    if row_buckets_of(pg):
+        raise ValueError(f"--padded-capacity-gemm {pg!r}: row buckets cut packed rows only")
     if args.capacity_factor > 0 or args.skew > 0:
         cf = args.capacity_factor
         for c in args.capacity_configs.split(","):
@@ -721,7 +723,9 @@ class Bench:
                         os.environ.get(G.TOKAMAX_IMPL_ENV) if resolved in G.NEEDS_TOKAMAX
                         else None),
                     expert_gemm_resolved=resolved,
-                    gemm_row_buckets=list(case.row_buckets) or None,
+                    # the buckets the layer ran with ("auto" meaning the einsum takes none)
+                    gemm_row_buckets=(list(case.row_buckets) or None) if resolved != "einsum"
+                    else None,
                     dispatch_dtype="bf16" if self.args.bf16 else "fp8",
                     capacity_factor=case.capacity or None, overflow=case.overflow or None,
                     skew=case.skew, kind=case.kind, wanted_capacity_factor=case.wanted or None,

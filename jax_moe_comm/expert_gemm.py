@@ -39,6 +39,7 @@ pair the handle's layout with the option: "packed" for "tokamax"/"ragged_dot", "
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import jax
@@ -415,7 +416,7 @@ def bucket_rows(rows: int, sizes) -> tuple[int, ...]:
     for b in sizes:
         if int(b) < 1:
             raise ValueError(f"row bucket {b}: a bucket holds at least one row")
-    aligned = {-(-int(b) // BUCKET_ALIGN) * BUCKET_ALIGN for b in sizes}
+    aligned = {-(-math.ceil(b) // BUCKET_ALIGN) * BUCKET_ALIGN for b in sizes}
     return tuple(sorted(b for b in aligned if b < rows)) + (rows,)
 
 
@@ -428,7 +429,11 @@ def bucketed_mlp(fn, x, group_sizes, w_in, w_out, out_dtype, buckets):
     conditional node, but only if CONDITIONAL is among the command types
     (`--xla_gpu_enable_command_buffer=+CONDITIONAL`, docs/knobs.md); otherwise XLA reads the
     branch index on the host, which waits for the GPU there. Differentiable: each branch is
-    fn's own rule on its rows."""
+    fn's own rule on its rows; but JAX makes every branch's saved values outputs of the
+    conditional (the branch that runs zero-fills the others'), so under jax.grad a step saves
+    and writes about the sum of the buckets' residuals (V2-Lite, 128 tokens, worst-case buffer:
+    ~77 MB for the whole-buffer branch alone). Buckets are for inference; train with a
+    capacity (MoELayerConfig.capacity_factor)."""
     rows = x.shape[0]
     if len(buckets) == 1:
         return fn(x, group_sizes, w_in, w_out, out_dtype)

@@ -162,7 +162,7 @@ class MoE(nnx.Module):
                                     hidden=hidden, ffn=ffn, max_num_tokens=self.budgets[-1],
                                     shared_expert=shared_expert, fp8_dispatch=fp8_dispatch,
                                     expert_gemm=expert_gemm, capacity_factor=capacity_factor,
-                                    overflow=overflow, gemm_row_buckets=tuple(gemm_row_buckets))
+                                    overflow=overflow, gemm_row_buckets=gemm_row_buckets)
         if self.layer.gemm_row_buckets and layout != "packed":
             raise ValueError(f"gemm_row_buckets={self.layer.gemm_row_buckets} needs "
                              f"layout='packed' (got {layout!r}): buckets cut packed rows")

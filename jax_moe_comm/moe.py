@@ -50,6 +50,7 @@ class MoELayerConfig:
     # is sized by its static rows, so a worst-case buffer otherwise pays for its idle tiles.
     # () runs every row; so does "auto" where it means the einsum (CPU). On a GPU it needs
     # CONDITIONAL in XLA's command buffers to avoid a host wait per layer (docs/knobs.md).
+    # For inference: under jax.grad every bucket's saved values are kept (bucketed_mlp).
     gemm_row_buckets: tuple[float, ...] = ()
 
     def __post_init__(self):

@@ -344,13 +344,23 @@ def test_row_bucket_rows_run_on_packed_rows_only(tmp_path, fake_site):
     assert row["status"] == "ok" and row["correct"] is True and row["err"] <= 0.05, row
 
 
+def plan_fails(tmp_path, fake_site, *args) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.pathsep.join([fake_site] + [p for p in [env.get("PYTHONPATH")] if p])
+    r = subprocess.run([sys.executable, LAYER, "--plan", *args], env=env, capture_output=True,
+                       text=True, timeout=240, cwd=str(tmp_path))
+    assert r.returncode != 0, r.stdout[-2000:]
+    return r.stderr
+
+
 @pytest.mark.parametrize("entry,why", [("tokamax~", "capacity factors joined by '/'"),
                                        ("tokamax~1.25/x", "capacity factors joined by '/'"),
                                        ("tokamax~0", "finite number > 0"),
                                        ("einsum~1.25", "need packed rows")])
 def test_bad_row_bucket_entries_are_refused(tmp_path, fake_site, entry, why):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = os.pathsep.join([fake_site] + [p for p in [env.get("PYTHONPATH")] if p])
-    r = subprocess.run([sys.executable, LAYER, "--plan", "--expert-gemm", entry], env=env,
-                       capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
-    assert r.returncode != 0 and why in r.stderr, r.stderr[-2000:]
+    assert why in plan_fails(tmp_path, fake_site, "--expert-gemm", entry)
+
+
+def test_padded_capacity_rows_take_no_buckets(tmp_path, fake_site):
+    stderr = plan_fails(tmp_path, fake_site, "--padded-capacity-gemm", "tokamax~1.25")
+    assert "row buckets cut packed rows only" in stderr, stderr[-2000:]

@@ -459,6 +459,60 @@ def test_row_buckets_refuse_padded_rows_and_the_einsum():
                                row_buckets=(8,))
 
 
+@pytest.mark.parametrize("live,picked", [(0, 104), (104, 104), (105, 256), (256, 256),
+                                         (257, 512), (512, 512), (600, 512)])
+def test_the_switch_picks_the_smallest_bucket_that_holds_the_live_rows(live, picked):
+    """A probe GEMM that answers with its own row count: the bucket taken for each load, at
+    and across the boundaries (buckets 104, 256 and the whole 512 rows)."""
+    buckets = expert_gemm.bucket_rows(512, (100, 256))
+    assert buckets == (104, 256, 512)
+    probe = lambda xb, gs, wi, wo, od: jnp.full((xb.shape[0], 1), xb.shape[0], od)  # noqa
+    gs = jnp.asarray([live // 2, live - live // 2], jnp.int32)
+    y = jax.jit(lambda x, gs: expert_gemm.bucketed_mlp(probe, x, gs, None, None, jnp.float32,
+                                                       buckets))(jnp.zeros((512, 4)), gs)
+    assert y.shape == (512, 1) and int(y[0, 0]) == picked
+    assert not np.any(np.asarray(y[picked:]))  # padded past the bucket
+
+
+@pytest.mark.parametrize("option", ["ragged_dot", "tokamax"])
+def test_bucket_per_device_under_shard_map_with_gradients(option, monkeypatch):
+    """Four devices with loads 5, 50, 110 and 128 of 128 rows take buckets 16, 64, 128 and 128
+    in one step; y's live rows and every gradient equal the unbucketed option's. "tokamax" is
+    the stand-in (rows past the live ones NaN), so its custom VJP runs inside the switch."""
+    monkeypatch.setattr(expert_gemm, "_tokamax", lambda: (StandInTokamax(), None))
+    expert_gemm._tokamax_dot.cache_clear()
+    from jax.sharding import PartitionSpec as P
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("ep",))
+    rng = np.random.default_rng(5)
+    rows, h, f, L = 128, 16, 24, 2
+    sizes = jnp.asarray([3, 2, 25, 25, 60, 50, 64, 64], jnp.int32)  # [device, expert]
+    x = jnp.asarray(rng.standard_normal((4 * rows, h)), jnp.bfloat16)
+    w_in = jnp.asarray(rng.standard_normal((4 * L, h, f)) / 4, jnp.bfloat16)
+    w_out = jnp.asarray(rng.standard_normal((4 * L, f, h)) / 5, jnp.bfloat16)
+
+    def run(buckets):
+        def body(x, sizes, w_in, w_out):
+            live = (jnp.arange(rows) < jnp.sum(sizes))[:, None]
+
+            def loss(x, w_in, w_out):
+                y = expert_gemm.expert_mlp(x, sizes, w_in, w_out, option, row_buckets=buckets)
+                return jnp.sum(jnp.where(live, y, 0) ** 2), jnp.where(live, y, 0)
+            return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w_in, w_out)
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 4,
+                           out_specs=((P("ep"),) * 3, P("ep")))
+        return jax.jit(fn)(x, sizes, w_in, w_out)
+
+    try:
+        (got_g, got_y), (want_g, want_y) = run((16, 64)), run(None)
+    finally:
+        expert_gemm._tokamax_dot.cache_clear()
+    close("live y", got_y, want_y, rtol=1e-6)
+    for name, g, w in zip(("d x", "d w_in", "d w_out"), got_g, want_g):
+        close(name, g, w, rtol=1e-6)
+
+
+@pytest.mark.skipif(expert_gemm.resolve("auto", layout="packed") != "einsum",
+                    reason="'auto' is a packed GEMM on this platform: it takes the buckets")
 def test_auto_where_it_means_the_einsum_runs_without_buckets():
     """On CPU "auto" is the padded einsum: buckets are dropped, not an error (the same layer
     config runs on a GPU with them)."""

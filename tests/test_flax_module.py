@@ -261,6 +261,7 @@ def test_layers_share_one_handle_and_train_like_the_dense_layer():
     (dict(num_experts=6), "num_experts=6 is not divisible by the 4 ranks"),
     (dict(layout="sparse"), r"layout='sparse'; expected one of \('padded', 'packed'\)"),
     (dict(layout="padded", gemm_row_buckets=(1.0,)), "needs layout='packed'"),
+    (dict(gemm_row_buckets=1.25), "a tuple of capacity factors"),
     (dict(router=RouterConfig(num_groups=4, topk_groups=1), experts_per_token=3),
      "experts_per_token=3 exceeds the 2 experts of the topk_groups=1 groups"),
 ])
