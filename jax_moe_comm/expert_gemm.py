@@ -414,7 +414,7 @@ def bucket_rows(rows: int, sizes) -> tuple[int, ...]:
     up to BUCKET_ALIGN, those below `rows`, then `rows` itself (the last bucket holds any
     load), ascending and distinct."""
     for b in sizes:
-        if int(b) < 1:
+        if not b > 0:
             raise ValueError(f"row bucket {b}: a bucket holds at least one row")
     aligned = {-(-math.ceil(b) // BUCKET_ALIGN) * BUCKET_ALIGN for b in sizes}
     return tuple(sorted(b for b in aligned if b < rows)) + (rows,)

@@ -415,8 +415,10 @@ def test_bucket_rows_align_drop_the_oversized_and_end_with_all_rows():
     assert expert_gemm.bucket_rows(6144, (960, 1536)) == (960, 1536, 6144)
     assert expert_gemm.bucket_rows(512, (100, 104, 600)) == (104, 512)  # 600 >= the rows
     assert expert_gemm.bucket_rows(96, ()) == (96,)
-    with pytest.raises(ValueError, match="at least one row"):
-        expert_gemm.bucket_rows(96, (0,))
+    assert expert_gemm.bucket_rows(96, (0.5,)) == (8, 96)  # rounded up, never to 0
+    for bad in (0, -8, float("nan")):
+        with pytest.raises(ValueError, match="at least one row"):
+            expert_gemm.bucket_rows(96, (bad,))
 
 
 @pytest.mark.parametrize("counts", [[10, 20, 5, 7], [100, 50, 30, 40], [200, 150, 100, 62]])
