@@ -301,16 +301,16 @@ class Case:
 
     @property
     def option(self) -> str:  # the layer's expert_gemm: a "tokamax@<spec>~<buckets>" row runs
-        return self.gemm.partition("~")[0].partition("@")[0]  # "tokamax"
+        return split_gemm(self.gemm)[0]  # "tokamax"
 
     @property
     def tokamax_impl(self) -> str | None:  # JMC_TOKAMAX_IMPL while a "tokamax@<spec>" row runs
-        _, at, spec = self.gemm.partition("~")[0].partition("@")
-        return G.TOKAMAX_SPEC_PREFIX + spec if at else None
+        spec = split_gemm(self.gemm)[1]
+        return None if spec is None else G.TOKAMAX_SPEC_PREFIX + spec
 
     @property
     def row_buckets(self) -> tuple[float, ...]:  # MoELayerConfig.gemm_row_buckets ("~1.25/2")
-        return row_buckets_of(self.gemm)
+        return split_gemm(self.gemm)[2]
 
     @property
     def group(self):  # what shares one handle and one comm-only measurement
@@ -322,32 +322,32 @@ def supported(case: Case) -> bool:
     return EXPERT_CAPACITY if case.layout == "padded" else CAPACITY
 
 
-def row_buckets_of(gemm: str) -> tuple[float, ...]:
-    """The capacity factors after an --expert-gemm entry's "~" ("tokamax~1.25/2" -> (1.25,
-    2.0)); () without one."""
-    _, tilde, buckets = gemm.partition("~")
-    if not tilde:
-        return ()
+def split_gemm(gemm: str) -> tuple[str, str | None, tuple[float, ...]]:
+    """An --expert-gemm entry <option>[@<kernel spec>][~<f>/<f>...] -> (option, the spec or
+    None, the row buckets' capacity factors or ()): "tokamax@m128~1.25/2" -> ("tokamax",
+    "m128", (1.25, 2.0)). Checks only the factors' syntax (check_gemm checks the rest)."""
+    head, tilde, factors = gemm.partition("~")
+    option, at, spec = head.partition("@")
     try:
-        return tuple(float(f) for f in buckets.split("/"))
+        buckets = tuple(float(f) for f in factors.split("/")) if tilde else ()
     except ValueError:
         raise ValueError(f"--expert-gemm {gemm!r}: ~ takes capacity factors joined by '/', "
                          "e.g. tokamax~1.25/2") from None
+    return option, spec if at else None, buckets
 
 
 def check_gemm(gemm: str) -> str:
     """An --expert-gemm entry: an expert_gemm option, or "tokamax@<spec>" (tokamax with that
     kernel spec, expert_gemm.TOKAMAX_SPEC_GRAMMAR), either with "~<f>/<f>..." (row buckets,
     MoELayerConfig.gemm_row_buckets); returns the option."""
-    buckets = row_buckets_of(gemm)
+    option, spec, buckets = split_gemm(gemm)
     if buckets:
         MoELayerConfig(gemm_row_buckets=buckets)  # (its checks: factors > 0)
-        if gemm.partition("@")[0].partition("~")[0] == "einsum":
+        if option == "einsum":
             raise ValueError(f"--expert-gemm {gemm!r}: row buckets need packed rows; the "
                              "einsum runs padded ones")
-    option, at, spec = gemm.partition("~")[0].partition("@")
     G.check_option(option)
-    if at:
+    if spec is not None:
         if option != "tokamax":
             raise ValueError(f"--expert-gemm {gemm!r}: only tokamax takes @<kernel spec>")
         G.parse_tokamax_spec(spec)
@@ -386,7 +386,7 @@ def combos(args):
         option = check_gemm(gemm)
         for layout in args.layouts.split(","):
             native = G.NATIVE_LAYOUT.get(G.resolve(option, layout=layout))
-            if row_buckets_of(gemm) and layout != "packed":
+            if split_gemm(gemm)[2] and layout != "packed":
                 continue  # buckets cut packed rows only
             if args.all_combos or gemm == "einsum" or native == layout:
                 out.append((layout, gemm))
@@ -419,7 +419,7 @@ def plan(args) -> list[Case]:
     for g in cap_gemms:
         check_gemm(g)
     check_gemm(pg)
-    if row_buckets_of(pg):
+    if split_gemm(pg)[2]:
         raise ValueError(f"--padded-capacity-gemm {pg!r}: row buckets cut packed rows only")
     if args.capacity_factor > 0 or args.skew > 0:
         cf = args.capacity_factor
