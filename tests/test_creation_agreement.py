@@ -41,3 +41,12 @@ def test_a_staged_transport_on_one_rank_only_is_named():
                                 request(transport="auto")])
     assert "differs between ranks" in msg and "on rank 0" in msg, msg
     assert "JMC_TRANSPORT" in PROTOCOL_ENV
+
+
+def test_the_protocol_options_must_agree():
+    """JMC_LL changes the symmetric layout (core/layout.h) and what a receiver polls; JMC_ACKS
+    what a sender may overwrite when: a rank asking for either alone is named at creation."""
+    for key, value in (("JMC_LL", "1"), ("JMC_ACKS", "relaxed")):
+        assert key in PROTOCOL_ENV
+        msg = creation_mismatch(0, [request(), request(**{key: value})])
+        assert f"{key} differs between ranks" in msg and f"'{value}' on rank 1" in msg, msg

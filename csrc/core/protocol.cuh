@@ -50,6 +50,23 @@ __device__ __forceinline__ void set_flag(const CommonParams& c, uint64_t* flag, 
   }
 }
 
+// SETs an acknowledgement (dispatch_ack, combine_ack): "I have read your data of this cycle,
+// you may overwrite it". As set_flag, but with JMC_ACKS=relaxed (CommonParams::relaxed_acks) a
+// load/store peer gets a relaxed store: no MEMBAR.SYS at the end of either receive. What
+// orders it after this rank's reads of the peer's data is the hardware, not the PTX model
+// (loads whose values this rank already used, before the block barrier, have completed);
+// pplx-kernels acknowledges with no fence at all. A violation would be the peer overwriting
+// rows still being read: the soak worker checks every cycle's data on the device.
+__device__ __forceinline__ void set_ack(const CommonParams& c, uint64_t* flag, uint64_t value,
+                                        int pe, int counted) {
+  uint64_t* direct = peer_ptr(c, flag, pe);
+  if (direct != nullptr && c.relaxed_acks) {
+    st_relaxed_sys_u64(direct, value);
+  } else {
+    set_flag(c, flag, value, pe, counted);
+  }
+}
+
 // Records the first error of this rank and tells every rank (itself included) through the
 // abort word, so their waits fail fast instead of each running into its own timeout.
 __device__ __forceinline__ void fail(const CommonParams& c, ErrorCode code, Phase phase,
