@@ -267,4 +267,10 @@ __host__ __device__ inline uint64_t count_word(uint64_t epoch, uint32_t count, i
   return epoch * (static_cast<uint64_t>(max_m) + 1) + count;
 }
 
+// The tag an LL unit of cycle `epoch` carries (core/ll.cuh): never 0 (the zeroed LL areas are
+// no cycle's), and consecutive epochs differ (period 2^32 - 1).
+__host__ __device__ inline uint32_t ll_tag(uint64_t epoch) {
+  return static_cast<uint32_t>(epoch % 0xFFFFFFFFull) + 1u;
+}
+
 }  // namespace jmc

@@ -28,15 +28,12 @@
 
 #include <cstdint>
 
+#include "core/layout.h"  // ll_tag
 #include "core/memory.cuh"
 #include "core/vec.cuh"
 
 namespace jmc {
 namespace {
-
-__device__ __forceinline__ uint32_t ll_tag(uint64_t epoch) {
-  return static_cast<uint32_t>(epoch % 0xFFFFFFFFull) + 1u;
-}
 
 // Relaxed 8-byte accesses at system scope (volatile: never cached in L1, as NCCL's LL polls).
 __device__ __forceinline__ uint64_t ld_volatile_u64(const void* p) {
