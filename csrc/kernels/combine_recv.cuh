@@ -203,7 +203,7 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
     bool live = healthy && t < num_tokens;
     if (live && kLL) {
       // LL handle (k <= 32): this part's chunks of every valid slot, from the LL rows into
-      // combine_rows, all slots' words in flight together (core/ll.cuh); step 2 reads them
+      // combine_rows, all slots' units in flight together (core/ll.cuh); step 2 reads them
       // there. There is no flag to wait for.
       const uint32_t mask = __ballot_sync(0xffffffffu, w.lane < k && valid(w.lane));
       const uint32_t chunk_bytes = kElemsPerChunk * sizeof(T);

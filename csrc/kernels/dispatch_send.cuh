@@ -29,7 +29,7 @@
 //    peers) comes after every block's records (block barrier, and across blocks the ticket's
 //    fences), so a receiver that acquired the count sees all of them.
 //    LL handles (JMC_LL, Path::kDirectLL; core/ll.cuh): the record goes as LL units into the
-//    destination's recv_records_ll, and the count is a relaxed store: the words carry their
+//    destination's recv_records_ll, and the count is a relaxed store: the units carry their
 //    own tag, so nothing needs ordering before it.
 // 6. Errors: an expert id outside [-1, E) or num_tokens outside [0, max_m] is recorded and
 //    broadcast (abort word); on a poisoned handle the kernel sends nothing.
@@ -77,7 +77,8 @@ __device__ __forceinline__ void write_record(const DispatchSendParams& p, uint8_
 // An LL handle's record (core/ll.cuh): write_record's bytes as LL units, straight into the
 // receiver's LL area. Header and scales take a lane per 8-byte unit, loaded before the
 // payload's copy, so the record is one round trip as write_record's is (up to 64 such units:
-// R1 has 38; more go after, one round trip each). Not inlined: the direct loop stays small.
+// R1 has 38; more go after, one round trip each). Not inlined: inlined, the fused LL dispatch
+// kernel spilled 544 bytes (sm_90); called, it saves 120 bytes of its own registers.
 __device__ __noinline__ void write_record_ll(uint8_t* rec_ll, uint32_t header_bytes,
                                              uint32_t payload_bytes, uint32_t scale_bytes,
                                              int t, const int32_t* ids, const float* weights,
