@@ -68,12 +68,12 @@ def fused_kernels():
     return protocol_env(JMC_FUSED="always")
 
 
-# Issue 23's options: records and rows as LL words (core/ll.cuh), acknowledgements relaxed.
+# Issue 23's options: records and rows as LL units (core/ll.cuh), acknowledgements relaxed.
 LL = dict(JMC_LL="1", JMC_ACKS="relaxed")
 
 
 def assert_ll(a2a: AllToAll):
-    """The handle really took LL words and relaxed acknowledgements (a case under LL that ran
+    """The handle really took LL units and relaxed acknowledgements (a case under LL that ran
     the plain path would pass while testing nothing)."""
     got = a2a.backend.protocol_options()
     assert got == {"ll": True, "relaxed_acks": True}, f"rank {RANK}: {got}"
@@ -211,7 +211,7 @@ def main() -> int:
     @suite.case(f"EP{WORLD}-ll-shapes-fp8-bf16-f32-split-and-fused-checked")
     def ll_shapes():
         """LL records with fp8 scales (R1's 38 header and scale units take a second lane
-        round), f32 combine rows (32 bytes of LL units per 4 elements), checked against the oracle."""
+        round), f32 combine rows (32 bytes of LL units per 4 elements), against the oracle."""
         shapes = (dict(),
                   dict(num_experts=8 * WORLD, experts_per_token=8, hidden=7168, max_num_tokens=4,
                        dispatch_dtype=jnp.float8_e4m3fn),

@@ -358,7 +358,7 @@ class NvshmemBackend:
         return bool(self._mod.dependent_launch(self.handle))
 
     def protocol_options(self) -> dict:
-        """What the handle took from JMC_LL and JMC_ACKS at creation: {"ll": LL words in use
+        """What the handle took from JMC_LL and JMC_ACKS at creation: {"ll": LL units in use
         (direct handles only), "relaxed_acks": acknowledgements without a fence}."""
         ll, relaxed = self._mod.protocol_options(self.handle)
         return {"ll": bool(ll), "relaxed_acks": bool(relaxed)}
