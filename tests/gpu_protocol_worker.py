@@ -72,11 +72,12 @@ def fused_kernels():
 LL = dict(JMC_LL="1", JMC_ACKS="relaxed")
 
 
-def assert_ll(a2a: AllToAll):
-    """The handle really took LL units and relaxed acknowledgements (a case under LL that ran
-    the plain path would pass while testing nothing)."""
+def assert_options(a2a: AllToAll, options: dict):
+    """The handle really took what `options` (JMC_LL, JMC_ACKS) asked for (a case under LL that
+    ran the plain path would pass while testing nothing)."""
+    want = {"ll": "JMC_LL" in options, "relaxed_acks": "JMC_ACKS" in options}
     got = a2a.backend.protocol_options()
-    assert got == {"ll": True, "relaxed_acks": True}, f"rank {RANK}: {got}"
+    assert got == want, f"rank {RANK}: {got}, expected {want}"
 
 
 def spin(n, after):
@@ -200,9 +201,7 @@ def main() -> int:
         def ll_loop(dp=dp, mode=mode, options=options):
             env = dict(options, JMC_FUSED="always") if mode != "split" else options
             with protocol_env(**env), AllToAll(small_config(dp), backend="nvshmem") as a2a:
-                want = {"ll": "JMC_LL" in options, "relaxed_acks": "JMC_ACKS" in options}
-                got = a2a.backend.protocol_options()
-                assert got == want, f"rank {RANK}: {got}"
+                assert_options(a2a, options)
                 bad = my_value(make_loop(a2a, mesh, cycles, max_spin=24, mode=mode)())
                 a2a.check()
                 assert bad == 0, f"rank {RANK}: {bad} of {cycles} cycles wrong"
@@ -223,7 +222,7 @@ def main() -> int:
             for split in (True, False):
                 env = LL if split else dict(LL, JMC_FUSED="always")
                 with protocol_env(**env), AllToAll(cfg, backend="nvshmem") as a2a:
-                    assert_ll(a2a)
+                    assert_options(a2a, LL)
                     for seed in (31 + n, 41 + n):  # two cycles: the second reuses the slots
                         T.run_and_check(a2a, mesh, T.make_inputs(cfg, seed), split=split)
                     a2a.check()
@@ -412,7 +411,7 @@ def main() -> int:
             inp.num_tokens[:] = np.maximum(inp.num_tokens, 1)
             with protocol_env(**LL), AllToAll(cfg, backend="nvshmem",
                                               timeout_s=timeout) as a2a:
-                assert_ll(a2a)
+                assert_options(a2a, LL)
 
                 # The pending dispatch crosses the jit boundary with a rank axis on every leaf
                 # (its num_tokens is a scalar: parity_cases.py does the same).
