@@ -91,30 +91,16 @@ PdlMode pdl_mode_from_env() {
   return PdlMode::kInvalid;
 }
 
-// JMC_LL (issue 23, opt-in until measured): "1" sends records and rows of a direct handle
-// (every peer load/store, padded at the worst case: kernels.h Path, k <= 32) as
-// LL units (core/ll.cuh): no fence before a count or per row, at twice the bytes. Unset, empty
-// or "0": off. create_handle refuses anything else. Every rank must agree (the Python side
-// checks it with the other PROTOCOL_ENV settings): it changes the symmetric layout.
-enum class LlMode { kOff, kOn, kInvalid };
-
-LlMode ll_mode_from_env() {
-  const char* mode = std::getenv("JMC_LL");
-  if (mode == nullptr || *mode == '\0' || std::strcmp(mode, "0") == 0) return LlMode::kOff;
-  if (std::strcmp(mode, "1") == 0) return LlMode::kOn;
-  return LlMode::kInvalid;
-}
-
-// JMC_ACKS (issue 23, opt-in until measured): "relaxed" acknowledges load/store peers with a
-// relaxed store (protocol.cuh, set_ack); unset, empty or "release": a release store.
-// create_handle refuses anything else.
-enum class AcksMode { kRelease, kRelaxed, kInvalid };
+// JMC_ACKS: "release" acknowledges load/store peers with a release store, as before 2026-12-06
+// (for A/B timing and as a fallback); unset, empty or "relaxed": a relaxed store (protocol.cuh,
+// set_ack). create_handle refuses anything else. Agreed across ranks (PROTOCOL_ENV).
+enum class AcksMode { kRelaxed, kRelease, kInvalid };
 
 AcksMode acks_mode_from_env() {
   const char* mode = std::getenv("JMC_ACKS");
-  if (mode == nullptr || *mode == '\0' || std::strcmp(mode, "release") == 0)
-    return AcksMode::kRelease;
-  if (std::strcmp(mode, "relaxed") == 0) return AcksMode::kRelaxed;
+  if (mode == nullptr || *mode == '\0' || std::strcmp(mode, "relaxed") == 0)
+    return AcksMode::kRelaxed;
+  if (std::strcmp(mode, "release") == 0) return AcksMode::kRelease;
   return AcksMode::kInvalid;
 }
 
@@ -270,13 +256,10 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
   const PdlMode pdl_mode = pdl_mode_from_env();
   if (pdl_mode == PdlMode::kInvalid)
     return std::string("JMC_PDL=") + std::getenv("JMC_PDL") + ": expected 0, 1 or unset";
-  const LlMode ll_mode = ll_mode_from_env();
-  if (ll_mode == LlMode::kInvalid)
-    return std::string("JMC_LL=") + std::getenv("JMC_LL") + ": expected 0, 1 or unset";
   const AcksMode acks_mode = acks_mode_from_env();
   if (acks_mode == AcksMode::kInvalid)
     return std::string("JMC_ACKS=") + std::getenv("JMC_ACKS") +
-           ": expected release, relaxed or unset";
+           ": expected relaxed, release or unset";
   if (staged_node_size > 0) {  // the same on every rank (agreed before): safe to return here
     if (shape.world_size > kMaxPeerTable)
       return "transport='staged' emulates nodes through the peer table: up to " +
@@ -301,11 +284,7 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
   h->rank = nvshmem_my_pe();
   h->timeout_ns = timeout_ns;
   h->staged = staged;
-  h->relaxed_acks = acks_mode == AcksMode::kRelaxed;
-  // LL only where the direct instantiation runs (its LL branches are not in the general one)
-  // and a warp's lanes cover a token's slots (combine_recv's slot mask).
-  const bool ll = ll_mode == LlMode::kOn && !staged && !shape.packed() && !shape.can_drop() &&
-                  shape.experts_per_token <= 32;
+  h->release_acks = acks_mode == AcksMode::kRelease;
   for (int kernel = 0; kernel < kNumKernels; ++kernel)
     h->launch[kernel] = launch_for(shape, static_cast<KernelId>(kernel), tuning);
   for (int op = 0; op < kNumFusedOps; ++op)
@@ -317,14 +296,14 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
   std::string error = allocate_local(h.get());  // local first: nothing collective can fail on it
 
   size_t bytes = 0;
-  SymmetricLayout::carve(shape, staged, ll, nullptr, &bytes);
+  SymmetricLayout::carve(shape, staged, nullptr, &bytes);
   h->symmetric = nvshmem_malloc(bytes);  // collective
   if (h->symmetric == nullptr && error.empty())
     error = "nvshmem_malloc of " + std::to_string(bytes) +
             " bytes failed (raise NVSHMEM_SYMMETRIC_SIZE)";
   if (h->symmetric != nullptr) {
     h->symmetric_bytes = bytes;
-    h->sym = SymmetricLayout::carve(shape, staged, ll, h->symmetric, &bytes);
+    h->sym = SymmetricLayout::carve(shape, staged, h->symmetric, &bytes);
     for (int pe = 0; pe < std::min(shape.world_size, kMaxPeerTable); ++pe) {
       const bool emulated_remote =
           staged_node_size > 0 && pe / staged_node_size != h->rank / staged_node_size;
@@ -332,7 +311,7 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
           emulated_remote ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(h->symmetric, pe));
     }
     // Unstaged, the kernels write every peer through load/store (the direct instantiation,
-    // kernels.h Path, has no staged branch at all): a peer nvshmem_ptr cannot reach
+    // kernels.h general_path, has no staged branch at all): a peer nvshmem_ptr cannot reach
     // would be a write through nullptr. Python stages such handles; a direct caller gets this.
     // (error, not return: the caller's status exchange frees the handle on every rank.)
     for (int pe = 0; !staged && error.empty() && pe < shape.world_size; ++pe)

@@ -23,7 +23,7 @@ struct Handle {
   uint64_t timeout_ns = 0;
   bool dependent_launch = false;  // kernels start as programmatic dependents (core/launch.cuh)
   bool staged = false;        // some peer is not reachable by load/store
-  bool relaxed_acks = false;  // JMC_ACKS=relaxed: CommonParams::relaxed_acks
+  bool release_acks = false;  // JMC_ACKS=release: CommonParams::release_acks
   void* symmetric = nullptr;  // one nvshmem_malloc
   size_t symmetric_bytes = 0;
   SymmetricLayout sym{};
@@ -50,7 +50,7 @@ struct Handle {
   uint64_t* current_timings() const { return timings + size_t{kTimingSamples} * kTimingSlots; }
   CommonParams common() const {
     return CommonParams{shape, sym, peers, scratch, error_device,
-                        timing ? current_timings() : nullptr, rank, timeout_ns, relaxed_acks};
+                        timing ? current_timings() : nullptr, rank, timeout_ns, release_acks};
   }
 };
 

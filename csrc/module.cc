@@ -140,12 +140,8 @@ NB_MODULE(_native, m) {
     return std::vector<uint64_t>(state.staged_messages, state.staged_messages + jmc::kNumKernels);
   });
   m.def("dependent_launch", [](int64_t id) { return handle(id)->dependent_launch; });
-  // Protocol options the handle took at creation (JMC_LL, JMC_ACKS; handle.cc): LL units in
-  // use, acknowledgements relaxed.
-  m.def("protocol_options", [](int64_t id) {
-    auto h = handle(id);
-    return std::make_tuple(h->sym.ll(), h->relaxed_acks);
-  });
+  // Whether the handle acknowledges load/store peers with relaxed stores (JMC_ACKS; handle.cc).
+  m.def("relaxed_acks", [](int64_t id) { return !handle(id)->release_acks; });
   // Rows dropped past a capacity since creation or recover() (overflow "drop"): waits for
   // the device, then reads DeviceState.
   m.def("dropped_rows", [](int64_t id) {

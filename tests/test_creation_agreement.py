@@ -44,9 +44,9 @@ def test_a_staged_transport_on_one_rank_only_is_named():
 
 
 def test_the_protocol_options_must_agree():
-    """JMC_LL changes the symmetric layout (core/layout.h) and what a receiver polls; JMC_ACKS
-    what a sender may overwrite when: a rank asking for either alone is named at creation."""
-    for key, value in (("JMC_LL", "1"), ("JMC_ACKS", "relaxed")):
+    """JMC_ACKS decides how a receiver tells a sender it may overwrite: a rank asking for
+    release acknowledgements alone is named at creation."""
+    for key, value in (("JMC_ACKS", "release"),):
         assert key in PROTOCOL_ENV
         msg = creation_mismatch(0, [request(), request(**{key: value})])
         assert f"{key} differs between ranks" in msg and f"'{value}' on rank 1" in msg, msg

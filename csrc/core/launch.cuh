@@ -49,28 +49,15 @@ cudaError_t launch_kernel(void (*kernel)(Params...), Launch l, size_t shared_byt
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
-// Blocks per SM that fit for every instantiation of one body (kernels.h, Path): a grid sized
-// by this fits whichever of them a handle launches.
-template <typename... Kernels>
-int fewest_blocks_per_sm(int warps_per_block, size_t shared_bytes, Kernels... kernels) {
-  int fewest = 1 << 30;
-  auto fit = [&](auto kernel) {
-    int n = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, warps_per_block * 32, shared_bytes);
-    fewest = std::min(fewest, n);
-  };
-  (fit(kernels), ...);
-  return fewest;
-}
-
-// The instantiation a handle launches (kernels.h, Path), of the three given in Path order.
-template <typename Kernel>
-Kernel by_path(const CommonParams& c, Kernel direct, Kernel direct_ll, Kernel general) {
-  switch (path_of(c)) {
-    case Path::kGeneral: return general;
-    case Path::kDirectLL: return direct_ll;
-    default: return direct;
-  }
+// Blocks per SM that fit for both instantiations of one body (kernels.h, general_path): a
+// grid sized by this fits whichever of the two a handle launches.
+template <typename... Params>
+int fewer_blocks_per_sm(void (*general)(Params...), void (*direct)(Params...),
+                        int warps_per_block, size_t shared_bytes) {
+  int a = 0, b = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, general, warps_per_block * 32, shared_bytes);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, direct, warps_per_block * 32, shared_bytes);
+  return std::min(a, b);
 }
 
 }  // namespace jmc

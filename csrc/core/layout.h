@@ -14,10 +14,6 @@
 //   combine_count   [world]        u64  staged sender s SETs count_word(epoch, rows, cap) after
 //                                       putting its rows for us into combine_in[s]
 //   barrier_flag    [world]        u64  benchmark barrier: rank p SETs its barrier epoch
-//   recv_records_ll [G][max_m]     LL record  JMC_LL handles only (else absent): what a sender
-//                                       writes instead of recv_records, as 8-byte LL units
-//   combine_rows_ll [max_m][k]     LL row     JMC_LL only: what an expert rank writes instead
-//                                       of combine_rows (then no combine_flag)
 //   recv_records    [G][max_m]     record  tokens from the sender of group g, in slot order
 //   combine_rows    [max_m][k]     row (combine dtype)  the expert output of slot (t, j)
 //   send_records    [G][max_m]     record  staged records per destination in slot order, sent
@@ -26,8 +22,6 @@
 //                                         order, sent with one put each (staged only)
 //   combine_in      [world][cap]   entry  rows from each staged sender (staged only)
 //
-// The LL areas (core/ll.cuh) sit with the flags: their units carry the cycle's tag, so they are
-// zeroed with the flags at creation and recover(), and a zero word is never a cycle's.
 // cap = max_m * min(k, L): the most rows one rank returns to one home. An entry: a 16-byte
 // header (int32 token, int32 slot) and the row (combine dtype).
 //
@@ -146,11 +140,6 @@ struct SymmetricLayout {
   uint8_t* send_records;     // nullptr unless staged
   uint8_t* combine_out;  // nullptr unless staged
   uint8_t* combine_in;   // nullptr unless staged
-  // LL ("low latency", core/ll.cuh) copies of recv_records and combine_rows, twice their
-  // bytes: every 4 data bytes travel with the cycle's tag in one 8-byte unit, so a receiver
-  // polls the data itself and no sender fences (nullptr unless the handle is LL).
-  uint8_t* recv_records_ll;
-  uint8_t* combine_rows_ll;
   RecordLayout record;
   uint32_t combine_row_bytes;    // H * out_elem_bytes
   uint32_t combine_entry_bytes;  // kEntryHeaderBytes + combine_row_bytes
@@ -161,9 +150,7 @@ struct SymmetricLayout {
 
   // Lays the buffer out over `base` (nullptr: only computes the size). `staged`: some peer is
   // not reachable by load/store, so puts to it need symmetric sources.
-  // `ll`: the handle is LL (handle.cc: JMC_LL, direct handles only).
-  static SymmetricLayout carve(const Shape& s, bool staged, bool ll, void* base,
-                               size_t* total_bytes) {
+  static SymmetricLayout carve(const Shape& s, bool staged, void* base, size_t* total_bytes) {
     SymmetricLayout l;
     l.record = RecordLayout::of(s);
     l.combine_row_bytes = static_cast<uint32_t>(s.hidden) * s.out_elem_bytes;
@@ -189,8 +176,6 @@ struct SymmetricLayout {
     l.combine_ack = take_u64(W);
     l.combine_count = take_u64(W);
     l.barrier_flag = take_u64(W);
-    l.recv_records_ll = ll ? take(2 * G * m * l.record.bytes) : nullptr;
-    l.combine_rows_ll = ll ? take(2 * m * k * l.combine_row_bytes) : nullptr;
     l.flag_bytes_ = off;
     l.recv_records = take(G * m * l.record.bytes);
     l.combine_rows = take(m * k * l.combine_row_bytes);
@@ -204,10 +189,7 @@ struct SymmetricLayout {
   // Some peer is reached through a network transport, not by load/store (so puts are staged
   // and waits need NVSHMEM's consistency hook). The same on every rank.
   __host__ __device__ bool staged() const { return send_records != nullptr; }
-  // The handle sends and receives through the LL areas (core/ll.cuh). The same on every rank.
-  __host__ __device__ bool ll() const { return recv_records_ll != nullptr; }
-  // Bytes at the front that hold flags, counters and the LL areas (zeroed at creation and
-  // recover()).
+  // Bytes at the front that hold flags and counters (zeroed once at creation).
   size_t flag_bytes() const { return flag_bytes_; }
 
   __host__ __device__ uint8_t* recv_record(int group, int slot) const {
@@ -218,13 +200,6 @@ struct SymmetricLayout {
   }
   __host__ __device__ uint8_t* combine_row(int t, int j) const {
     return combine_rows + (static_cast<size_t>(t) * k + j) * combine_row_bytes;
-  }
-  // The LL unit copies: twice the bytes of recv_record / combine_row at each place.
-  __host__ __device__ uint8_t* recv_record_ll(int group, int slot) const {
-    return recv_records_ll + 2 * (static_cast<size_t>(group) * max_m + slot) * record.bytes;
-  }
-  __host__ __device__ uint8_t* combine_row_ll(int t, int j) const {
-    return combine_rows_ll + 2 * (static_cast<size_t>(t) * k + j) * combine_row_bytes;
   }
   __host__ __device__ uint64_t* slot_flag(int t, int j) const {
     return combine_flag + static_cast<size_t>(t) * k + j;
@@ -265,12 +240,6 @@ __host__ __device__ inline int32_t pack_source(int group, int token, int slot, i
 // max_m = 58,000.
 __host__ __device__ inline uint64_t count_word(uint64_t epoch, uint32_t count, int max_m) {
   return epoch * (static_cast<uint64_t>(max_m) + 1) + count;
-}
-
-// The tag an LL unit of cycle `epoch` carries (core/ll.cuh): never 0 (the zeroed LL areas are
-// no cycle's), and consecutive epochs differ (period 2^32 - 1).
-__host__ __device__ inline uint32_t ll_tag(uint64_t epoch) {
-  return static_cast<uint32_t>(epoch % 0xFFFFFFFFull) + 1u;
 }
 
 }  // namespace jmc

@@ -6,19 +6,17 @@
 namespace jmc {
 namespace {
 
-template <typename T, Path kPath>
+template <typename T, bool kGeneral>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
     combine_recv_kernel(const CombineRecvParams p) {
   wait_for_previous_kernels();
-  combine_recv_body<T, kPath>(p);
+  combine_recv_body<T, kGeneral>(p);
 }
 
 template <typename T>
 cudaError_t launch_typed(const CombineRecvParams& p, Launch l, cudaStream_t stream) {
-  const auto kernel =
-      by_path(p.c, combine_recv_kernel<T, Path::kDirect>, combine_recv_kernel<T, Path::kDirectLL>,
-              combine_recv_kernel<T, Path::kGeneral>);
-  return launch_kernel(kernel, l, 0, stream, p);
+  if (general_path(p.c)) return launch_kernel(combine_recv_kernel<T, true>, l, 0, stream, p);
+  return launch_kernel(combine_recv_kernel<T, false>, l, 0, stream, p);
 }
 
 }  // namespace
@@ -29,12 +27,10 @@ cudaError_t launch_combine_recv(const CombineRecvParams& p, Launch l, cudaStream
 }
 
 int combine_recv_blocks_per_sm(int warps_per_block) {
-  using bf16 = __nv_bfloat16;
-  return fewest_blocks_per_sm(
-      warps_per_block, 0, combine_recv_kernel<float, Path::kDirect>,
-      combine_recv_kernel<float, Path::kDirectLL>, combine_recv_kernel<float, Path::kGeneral>,
-      combine_recv_kernel<bf16, Path::kDirect>, combine_recv_kernel<bf16, Path::kDirectLL>,
-      combine_recv_kernel<bf16, Path::kGeneral>);
+  return min(fewer_blocks_per_sm(combine_recv_kernel<float, true>,
+                                 combine_recv_kernel<float, false>, warps_per_block, 0),
+             fewer_blocks_per_sm(combine_recv_kernel<__nv_bfloat16, true>,
+                                 combine_recv_kernel<__nv_bfloat16, false>, warps_per_block, 0));
 }
 
 }  // namespace jmc

@@ -13,10 +13,9 @@
 // 3. Work items are (token, part) pairs: a token's H elements are split into P parts so that
 //    every warp of the grid has work even for one token (P = warps / num_tokens, at most one
 //    8-element chunk per lane per part). For a live token, lanes poll the flags of its valid
-//    slots in parallel (bounded; LL handles: the warp unpacks its part of every valid slot's
-//    row from combine_rows_ll into combine_rows instead, core/ll.cuh), then each lane sums 8
-//    hidden elements at a time over the k slots, y = sum_j w[t,j] * row(t, j), in f32. Slots
-//    whose expert id is -1 are never read, so a NaN weight there cannot leak into y.
+//    slots in parallel (bounded), then each lane sums 8 hidden elements at a time over the k
+//    slots, y = sum_j w[t,j] * row(t, j), in f32. Slots whose expert id is -1 are never read,
+//    so a NaN weight there cannot leak into y.
 // 4. The last block SETs combine_ack[rank] = e on every rank: their next combine_send may
 //    overwrite our combine_rows. Nothing is reset.
 // 5. On a timeout or an abort the error is recorded and broadcast, no ack is sent, and every
@@ -28,7 +27,6 @@
 
 #include <cuda_bf16.h>
 
-#include "core/ll.cuh"
 #include "core/protocol.cuh"
 #include "core/vec.cuh"
 
@@ -150,10 +148,8 @@ __device__ __forceinline__ bool map_staged_rows(const CombineRecvParams& p, bool
   return __syncthreads_and(ok);  // the map is whole before any warp of this block reads it
 }
 
-template <typename T, Path kPath>  // kernels.h
+template <typename T, bool kGeneral>  // kGeneral false: direct (kernels.h, general_path)
 __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
-  constexpr bool kGeneral = kPath == Path::kGeneral;  // staged, packed or a capacity
-  constexpr bool kLL = kPath == Path::kDirectLL;       // LL units (core/ll.cuh)
   const CommonParams& c = p.c;
   const Shape& s = c.shape;
   const SymmetricLayout& sym = c.sym;
@@ -201,26 +197,7 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
 
     // Step 1: the rows of every valid slot have landed (lanes poll slots in parallel).
     bool live = healthy && t < num_tokens;
-    if (live && kLL) {
-      // LL handle (k <= 32): this part's chunks of every valid slot, from the LL rows into
-      // combine_rows, all slots' units in flight together (core/ll.cuh); step 2 reads them
-      // there. There is no flag to wait for.
-      const uint32_t mask = __ballot_sync(0xffffffffu, w.lane < k && valid(w.lane));
-      const uint32_t chunk_bytes = kElemsPerChunk * sizeof(T);
-      const uint32_t off = static_cast<uint32_t>(c0) * chunk_bytes;
-      const uint32_t bytes = c1 > c0 ? static_cast<uint32_t>(c1 - c0) * chunk_bytes : 0u;
-      const LlResult r = warp_unpack_ll(sym.abort_word, sym.combine_row(t, 0) + off,
-                                        sym.combine_row_ll(t, 0) + 2 * off,
-                                        sym.combine_row_bytes, mask, k, bytes, ll_tag(epoch),
-                                        deadline, w.lane);
-      live = r.wait == LlWait::kArrived;
-      if (!live && w.lane == 0)
-        check_wait(c, r.wait == LlWait::kTimedOut ? Wait::kTimedOut : Wait::kAborted,
-                   kPhaseCombineRecv, ids[r.range] / L, t, epoch, 0, kWhatRow);
-      __syncwarp();  // the plain chunks before any lane of the warp reads them
-      healthy = live;
-      if (i == w.warp) stamp_mark(c, kCombineRecvKernel, kWaited);
-    } else if (live) {
+    if (live) {
       bool ok = true;
       for (int j = w.lane; j < k; j += kWarpSize) {
         if (!valid(j)) continue;
@@ -272,11 +249,8 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
 
   // Step 3: every rank may overwrite our combine_rows again. The abort word is read before the
   // block barrier, overlapping the other warps' sums.
-  bool acknowledge = !refused && !poisoned(c);
+  const bool acknowledge = !refused && !poisoned(c);
   if (!is_last_block(c, kCombineRecvKernel)) return;
-  // LL: a token's wait is step 1's unpack, in any warp or block (as dispatch_recv's LL records).
-  if (kLL)
-    acknowledge = __syncthreads_and(acknowledge && healthy && (gridDim.x == 1 || !poisoned(c)));
   if (acknowledge) {
     for (int h = threadIdx.x; h < s.world_size; h += blockDim.x)
       set_ack(c, &sym.combine_ack[c.rank], epoch, h, kCombineRecvKernel);

@@ -21,7 +21,6 @@
 //    h = g * dp + m of the group:
 //      - h reachable by load/store (peer_ptr): 16-byte stores from expert_y straight into h's
 //        combine_rows, then __syncwarp, fence.sys, flag store;
-//      - LL handles (core/ll.cuh): the row as LL units into h's combine_rows_ll, no flag;
 //      - otherwise (staged: another node, or KernelTuning(transport="staged")) packed with a
 //        16-byte (token, slot) header behind h's other rows in combine_out[h] (symmetric;
 //        XLA's expert_y may be reused before a network put has read it; a slot from an
@@ -35,17 +34,14 @@
 //    that does not fit the layout, or a source out of range is recorded and broadcast.
 #pragma once
 
-#include "core/ll.cuh"
 #include "core/protocol.cuh"
 #include "core/vec.cuh"
 
 namespace jmc {
 namespace {
 
-template <Path kPath>  // kernels.h
+template <bool kGeneral>  // false: padded at the worst case, direct (kernels.h, general_path)
 __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
-  constexpr bool kGeneral = kPath == Path::kGeneral;  // staged, packed or a capacity
-  constexpr bool kLL = kPath == Path::kDirectLL;       // LL units (core/ll.cuh)
   const CommonParams& c = p.c;
   const Shape& s = c.shape;
   const SymmetricLayout& sym = c.sym;
@@ -159,11 +155,6 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
     bool sent = true;
     for (int m = 0; m < dp; ++m) {
       const int home = g * dp + m;
-      if (kLL) {  // LL units: no flag, no fence (core/ll.cuh)
-        warp_copy_ll(peer_ptr(c, sym.combine_row_ll(t, j), home), y_row,
-                     sym.combine_row_bytes, ll_tag(epoch), w.lane);
-        continue;
-      }
       uint8_t* direct = peer_ptr(c, row, home);
       if (!staged() || direct != nullptr) {  // (every peer is load/store when not staged)
         if (y_row != nullptr) {

@@ -6,27 +6,24 @@
 namespace jmc {
 namespace {
 
-template <Path kPath>
+template <bool kGeneral>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
     dispatch_recv_kernel(const DispatchRecvParams p) {
   wait_for_previous_kernels();
-  dispatch_recv_body<kPath>(p);
+  dispatch_recv_body<kGeneral>(p);
 }
 
 }  // namespace
 
 cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, Launch l, cudaStream_t stream) {
   const size_t shared = dispatch_recv_shared_bytes(p.c.shape);
-  const auto kernel = by_path(p.c, dispatch_recv_kernel<Path::kDirect>,
-                              dispatch_recv_kernel<Path::kDirectLL>,
-                              dispatch_recv_kernel<Path::kGeneral>);
-  return launch_kernel(kernel, l, shared, stream, p);
+  if (general_path(p.c)) return launch_kernel(dispatch_recv_kernel<true>, l, shared, stream, p);
+  return launch_kernel(dispatch_recv_kernel<false>, l, shared, stream, p);
 }
 
 int dispatch_recv_blocks_per_sm(int warps_per_block, size_t shared_bytes) {
-  return fewest_blocks_per_sm(warps_per_block, shared_bytes, dispatch_recv_kernel<Path::kDirect>,
-                              dispatch_recv_kernel<Path::kDirectLL>,
-                              dispatch_recv_kernel<Path::kGeneral>);
+  return fewer_blocks_per_sm(dispatch_recv_kernel<true>, dispatch_recv_kernel<false>,
+                             warps_per_block, shared_bytes);
 }
 
 }  // namespace jmc

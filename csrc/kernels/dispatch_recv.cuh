@@ -25,8 +25,6 @@
 //    (padded: their overflows past P) into expert_first [L + 1].
 //    Every block reads every header (a header is ~40 bytes: 1 KB per block per 32 records),
 //    since no block may wait for another (no grid barrier: blocks need not be co-resident).
-//    LL handles (core/ll.cuh): the warp first unpacks the record from recv_records_ll into
-//    recv_records (waiting, bounded, for every word's tag), then reads it there as below.
 //    Step 2: warps stride over all records of all groups. A warp checks the record's header
 //    (token < max_m), and for each expert id that is local takes a row with atomicAdd on the
 //    expert's fill count (< R, checked; in shared memory when the grid is one block, else
@@ -41,7 +39,6 @@
 #pragma once
 
 #include "core/fp8.cuh"
-#include "core/ll.cuh"
 #include "core/protocol.cuh"
 #include "core/vec.cuh"
 
@@ -103,10 +100,8 @@ __device__ __forceinline__ void count_expert_rows(const DispatchRecvParams& p,
   __syncthreads();
 }
 
-template <Path kPath>  // kernels.h
+template <bool kGeneral>  // false: padded at the worst case, direct (kernels.h, general_path)
 __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) {
-  constexpr bool kGeneral = kPath == Path::kGeneral;  // staged, packed or a capacity
-  constexpr bool kLL = kPath == Path::kDirectLL;       // LL units (core/ll.cuh)
   const CommonParams& c = p.c;
   const Shape& s = c.shape;
   const SymmetricLayout& sym = c.sym;
@@ -178,19 +173,6 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
     const int slot = static_cast<int>(i - first_record[g]);
     const int sender = g * dp + c.rank % dp;
     const uint8_t* rec = sym.recv_record(g, slot);
-    if (kLL) {  // the LL units into the plain record first (core/ll.cuh)
-      const LlResult r = warp_unpack_ll(sym.abort_word, const_cast<uint8_t*>(rec),
-                                        sym.recv_record_ll(g, slot), 0, 1u, 1,
-                                        sym.record.bytes, ll_tag(epoch), deadline, w.lane);
-      if (r.wait != LlWait::kArrived) {  // recorded and broadcast: no ack, every count 0
-        if (w.lane == 0)
-          check_wait(c, r.wait == LlWait::kTimedOut ? Wait::kTimedOut : Wait::kAborted,
-                     kPhaseDispatchRecv, sender, -1, epoch, 0, kWhatRecord);
-        ok = false;
-        break;
-      }
-      __syncwarp();  // the warp's plain copy before any lane reads it
-    }
     const int32_t* header = reinterpret_cast<const int32_t*>(rec);
     const float* header_weights = reinterpret_cast<const float*>(header + 1 + k);
     // The token and this lane's slot (expert, weight) in one round trip: the slots were
@@ -255,10 +237,6 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
   // is read before the block barrier, overlapping the other warps' copies.
   bool healthy = ok && !poisoned(c);  // (a refused launch acknowledges nothing)
   if (!is_last_block(c, kDispatchRecvKernel)) return;
-  // LL: a record's wait can fail in step 2 (above), in any warp or block, after the abort word
-  // was read: this block's verdicts together, other blocks' through the abort word read after
-  // the ticket (its fences order their fail() before). No acknowledgement, every count 0.
-  if (kLL) healthy = __syncthreads_and(healthy && (gridDim.x == 1 || !poisoned(c)));
   // Rows that arrived past the capacity (0 when it is the worst case).
   const int counted_rows = counted && ok ? static_cast<int>(expert_first[L]) : 0;
   const uint32_t dropped = static_cast<uint32_t>(

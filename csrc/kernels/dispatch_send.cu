@@ -6,26 +6,23 @@
 namespace jmc {
 namespace {
 
-template <Path kPath>
+template <bool kGeneral>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
     dispatch_send_kernel(const DispatchSendParams p) {
   wait_for_previous_kernels();
-  dispatch_send_body<kPath>(p);
+  dispatch_send_body<kGeneral>(p);
 }
 
 }  // namespace
 
 cudaError_t launch_dispatch_send(const DispatchSendParams& p, Launch l, cudaStream_t stream) {
-  const auto kernel = by_path(p.c, dispatch_send_kernel<Path::kDirect>,
-                              dispatch_send_kernel<Path::kDirectLL>,
-                              dispatch_send_kernel<Path::kGeneral>);
-  return launch_kernel(kernel, l, 0, stream, p);
+  if (general_path(p.c)) return launch_kernel(dispatch_send_kernel<true>, l, 0, stream, p);
+  return launch_kernel(dispatch_send_kernel<false>, l, 0, stream, p);
 }
 
 int dispatch_send_blocks_per_sm(int warps_per_block) {
-  return fewest_blocks_per_sm(warps_per_block, 0, dispatch_send_kernel<Path::kDirect>,
-                              dispatch_send_kernel<Path::kDirectLL>,
-                              dispatch_send_kernel<Path::kGeneral>);
+  return fewer_blocks_per_sm(dispatch_send_kernel<true>, dispatch_send_kernel<false>,
+                             warps_per_block, 0);
 }
 
 }  // namespace jmc

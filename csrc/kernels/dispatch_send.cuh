@@ -28,14 +28,10 @@
 //    makes a CPU-proxy transport like IBRC or EFA slow). A count's release store (load/store
 //    peers) comes after every block's records (block barrier, and across blocks the ticket's
 //    fences), so a receiver that acquired the count sees all of them.
-//    LL handles (JMC_LL, Path::kDirectLL; core/ll.cuh): the record goes as LL units into the
-//    destination's recv_records_ll, and the count is a relaxed store: the units carry their
-//    own tag, so nothing needs ordering before it.
 // 6. Errors: an expert id outside [-1, E) or num_tokens outside [0, max_m] is recorded and
 //    broadcast (abort word); on a poisoned handle the kernel sends nothing.
 #pragma once
 
-#include "core/ll.cuh"
 #include "core/protocol.cuh"
 #include "core/vec.cuh"
 
@@ -74,52 +70,8 @@ __device__ __forceinline__ void write_record(const DispatchSendParams& p, uint8_
                  s.num_scales, lane);
 }
 
-// An LL handle's record (core/ll.cuh): write_record's bytes as LL units, straight into the
-// receiver's LL area. Header and scales take a lane per 8-byte unit, loaded before the
-// payload's copy, so the record is one round trip as write_record's is (up to 64 such units:
-// R1 has 38; more go after, one round trip each). Not inlined: inlined, the fused LL dispatch
-// kernel spilled 544 bytes (sm_90); called, it saves 120 bytes of its own registers.
-__device__ __noinline__ void write_record_ll(uint8_t* rec_ll, uint32_t header_bytes,
-                                             uint32_t payload_bytes, uint32_t scale_bytes,
-                                             int t, const int32_t* ids, const float* weights,
-                                             int k, int num_experts, const uint8_t* payload,
-                                             const float* scales, int num_scales, uint32_t tag,
-                                             int lane) {
-  const int header_units = static_cast<int>(header_bytes / 8);
-  const int units = header_units + static_cast<int>(scale_bytes / 8);
-  uint8_t* scales_ll = rec_ll + 2 * (header_bytes + payload_bytes);
-  auto value = [&](int q) -> int {  // int q of the header (token, ids, weights, padding)
-    if (q == 0) return t;
-    if (q <= k) {
-      const int e = ids[q - 1];
-      return e >= 0 && e < num_experts ? e : -1;
-    }
-    if (q <= 2 * k) return weights != nullptr ? __float_as_int(weights[q - 1 - k]) : 0;
-    return 0;
-  };
-  auto unit = [&](int u) -> int2 {  // the two ints of 8-byte unit u
-    if (u < header_units) return make_int2(value(2 * u), value(2 * u + 1));
-    const int f = 2 * (u - header_units);
-    return make_int2(f < num_scales ? __float_as_int(scales[f]) : 0,
-                     f + 1 < num_scales ? __float_as_int(scales[f + 1]) : 0);
-  };
-  auto store = [&](int u, int2 v) {  // 8 data bytes: two LL units
-    uint8_t* at = u < header_units ? rec_ll + 16 * u : scales_ll + 16 * (u - header_units);
-    st_ll_unit(at, v.x, tag);
-    st_ll_unit(at + 8, v.y, tag);
-  };
-  const int2 first = lane < units ? unit(lane) : make_int2(0, 0);
-  const int2 second = lane + 32 < units ? unit(lane + 32) : make_int2(0, 0);
-  warp_copy_ll(rec_ll + 2 * header_bytes, payload, payload_bytes, tag, lane);
-  if (lane < units) store(lane, first);
-  if (lane + 32 < units) store(lane + 32, second);
-  for (int u = lane + 64; u < units; u += 32) store(u, unit(u));
-}
-
-template <Path kPath>  // kernels.h
+template <bool kGeneral>  // false: a direct handle (kernels.h, general_path)
 __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) {
-  constexpr bool kGeneral = kPath == Path::kGeneral;  // staged, packed or a capacity
-  constexpr bool kLL = kPath == Path::kDirectLL;       // LL units (core/ll.cuh)
   const CommonParams& c = p.c;
   const Shape& s = c.shape;
   const SymmetricLayout& sym = c.sym;
@@ -185,17 +137,6 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) 
     int slot = 0;
     if (w.lane == 0) slot = static_cast<int>(atomicAdd(&send_count[g], 1u));
     slot = __shfl_sync(0xffffffffu, slot, 0);
-    if (kLL) {  // LL units, no fence before the count (core/ll.cuh)
-      const RecordLayout& r = sym.record;
-      const size_t row = static_cast<size_t>(t);
-      write_record_ll(peer_ptr(c, sym.recv_record_ll(my_group, slot), dst), r.header_bytes,
-                      r.payload_bytes, r.scale_bytes, t, ids,
-                      p.weights ? p.weights + row * k : nullptr, k, s.num_experts,
-                      p.x + row * r.payload_bytes,
-                      p.x_scale ? p.x_scale + row * s.num_scales : nullptr, s.num_scales,
-                      ll_tag(epoch), w.lane);
-      continue;
-    }
     uint8_t* rec = sym.recv_record(my_group, slot);
     uint8_t* direct = peer_ptr(c, rec, dst);
     // Load/store: straight into the peer, published by the count. Staged: packed in slot
@@ -225,13 +166,9 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) 
   }
   for (int g = threadIdx.x; g < G; g += blockDim.x) {
     const uint32_t count = one_block ? send_count[g] : atomicExch(&send_count[g], 0u);
-    const uint64_t word = count_word(epoch, count, s.max_num_tokens);
-    if (!publish_all) continue;
-    if (kLL) {  // the records carry their own tags: nothing to order
-      st_relaxed_sys_u64(peer_ptr(c, &sym.dispatch_count[my_group], g * dp + my_member), word);
-    } else {
-      set_flag(c, &sym.dispatch_count[my_group], word, g * dp + my_member, kDispatchSendKernel);
-    }
+    if (publish_all)
+      set_flag(c, &sym.dispatch_count[my_group], count_word(epoch, count, s.max_num_tokens),
+               g * dp + my_member, kDispatchSendKernel);
   }
   finish_launch(c, kDispatchSendKernel, epoch);
 }

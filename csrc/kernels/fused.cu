@@ -23,32 +23,31 @@ namespace {
 
 // One block per launch, so no second block per SM to leave registers for (the split kernels'
 // kMinBlocksPerSm cap made the fused dispatch spill).
-// kPath: kernels.h, Path (kDirect: the direct, padded, worst-case instantiation).
-template <Path kPath>
+// kGeneral: kernels.h, general_path (false: the direct, padded, worst-case instantiation).
+template <bool kGeneral>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, 1)
     dispatch_kernel(const DispatchSendParams send, const DispatchRecvParams recv) {
   wait_for_previous_kernels();
-  dispatch_send_body<kPath>(send);
+  dispatch_send_body<kGeneral>(send);
   __syncthreads();  // thread 0 closed the send launch: the recv body's order check reads it
-  dispatch_recv_body<kPath>(recv);
+  dispatch_recv_body<kGeneral>(recv);
 }
 
-template <typename T, Path kPath>
+template <typename T, bool kGeneral>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, 1)
     combine_kernel(const CombineSendParams send, const CombineRecvParams recv) {
   wait_for_previous_kernels();
-  combine_send_body<kPath>(send);
+  combine_send_body<kGeneral>(send);
   __syncthreads();  // thread 0 closed the send launch: the recv body's order check reads it
-  combine_recv_body<T, kPath>(recv);
+  combine_recv_body<T, kGeneral>(recv);
 }
 
 template <typename T>
 cudaError_t launch_combine_typed(const CombineSendParams& send, const CombineRecvParams& recv,
                                  Launch l, size_t shared, cudaStream_t stream) {
-  const auto kernel =
-      by_path(send.c, combine_kernel<T, Path::kDirect>, combine_kernel<T, Path::kDirectLL>,
-              combine_kernel<T, Path::kGeneral>);
-  return launch_kernel(kernel, l, shared, stream, send, recv);
+  if (general_path(send.c))
+    return launch_kernel(combine_kernel<T, true>, l, shared, stream, send, recv);
+  return launch_kernel(combine_kernel<T, false>, l, shared, stream, send, recv);
 }
 
 }  // namespace
@@ -57,9 +56,9 @@ cudaError_t launch_dispatch(const DispatchSendParams& send, const DispatchRecvPa
                             Launch l, cudaStream_t stream) {
   if (l.num_blocks != 1) return cudaErrorInvalidConfiguration;  // see the top of this file
   const size_t shared = dispatch_recv_shared_bytes(send.c.shape);
-  const auto kernel = by_path(send.c, dispatch_kernel<Path::kDirect>,
-                              dispatch_kernel<Path::kDirectLL>, dispatch_kernel<Path::kGeneral>);
-  return launch_kernel(kernel, l, shared, stream, send, recv);
+  if (general_path(send.c))
+    return launch_kernel(dispatch_kernel<true>, l, shared, stream, send, recv);
+  return launch_kernel(dispatch_kernel<false>, l, shared, stream, send, recv);
 }
 
 cudaError_t launch_combine(const CombineSendParams& send, const CombineRecvParams& recv,

@@ -98,7 +98,7 @@ struct CommonParams {
   uint64_t* timings;
   int rank;
   uint64_t timeout_ns;
-  bool relaxed_acks;  // JMC_ACKS=relaxed (handle.cc): acknowledgements without a fence
+  bool release_acks;  // JMC_ACKS=release (handle.cc): acknowledgements with a release store
 };
 
 struct DispatchSendParams {
@@ -146,19 +146,15 @@ struct BarrierParams {
   uint64_t* timing_ring;  // [kTimingSamples][kTimingSlots]: finished samples' stamps
 };
 
-// Which instantiation of a body a launch runs (the bodies' template argument kPath). kDirect
-// for a handle that is direct (every peer load/store), padded and at the worst case, the
-// decode path: its staged, packed and capacity branches then fold away at compile time.
+// Which instantiation of a body a launch runs (the bodies' template argument kGeneral):
+// false for a handle that is direct (every peer load/store), padded and at the worst case,
+// the decode path: its staged, packed and capacity branches then fold away at compile time.
 // With them as runtime branches the kernels' machine code doubled (505b95c -> f97726a: fused
 // combine 3,752 -> 6,376 SASS instructions) and one cycle at 1 token took ~5 us longer.
-// kDirectLL: the same handle sending LL units (JMC_LL, core/ll.cuh), its own instantiation
-// for the same reason (as runtime branches its calls made the split kernels spill more:
-// dispatch_recv 44 -> 84 bytes at sm_90). kGeneral: everything else.
-// The same fields the bodies would test, fixed for a handle's life.
-enum class Path { kDirect, kDirectLL, kGeneral };
-inline Path path_of(const CommonParams& c) {
-  if (c.sym.staged() || c.shape.packed() || c.shape.can_drop()) return Path::kGeneral;
-  return c.sym.ll() ? Path::kDirectLL : Path::kDirect;
+// The same fields the bodies would test, fixed for a handle's life: the direct instantiation
+// never sees a staged, packed or capacity handle.
+inline bool general_path(const CommonParams& c) {
+  return c.sym.staged() || c.shape.packed() || c.shape.can_drop();
 }
 
 // Counters of a one-block launch (the fused ops) live in shared memory instead of the scratch

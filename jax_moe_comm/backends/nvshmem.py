@@ -56,7 +56,7 @@ def raise_recorded(message: str) -> None:
 # Settings read from the environment at creation that every rank must share (csrc/handle.cc
 # reads them): a rank that refused one alone would return before the collective allocation and
 # leave the others waiting there, so they are agreed first, with the differing rank named.
-PROTOCOL_ENV = ("JMC_FUSED", "JMC_PDL", "JMC_NUM_BLOCKS", "JMC_TRANSPORT", "JMC_LL", "JMC_ACKS")
+PROTOCOL_ENV = ("JMC_FUSED", "JMC_PDL", "JMC_NUM_BLOCKS", "JMC_TRANSPORT", "JMC_ACKS")
 
 
 def forced_node_size(tuning: KernelTuning, world: int) -> int:
@@ -358,10 +358,9 @@ class NvshmemBackend:
         return bool(self._mod.dependent_launch(self.handle))
 
     def protocol_options(self) -> dict:
-        """What the handle took from JMC_LL and JMC_ACKS at creation: {"ll": LL units in use
-        (direct handles only), "relaxed_acks": acknowledgements without a fence}."""
-        ll, relaxed = self._mod.protocol_options(self.handle)
-        return {"ll": bool(ll), "relaxed_acks": bool(relaxed)}
+        """What the handle took from JMC_ACKS at creation: {"relaxed_acks": load/store peers
+        acknowledged without a fence (the default; JMC_ACKS=release turns it off)}."""
+        return {"relaxed_acks": bool(self._mod.relaxed_acks(self.handle))}
 
     def close(self):
         if self._open:
