@@ -9,6 +9,8 @@
 # An entry <commit>+VAR=value[+VAR=value] times the same tree again with those environment
 # settings (built once), e.g. a knob's A/B in the same call:
 #   COMMITS="d2745f9 d2745f9+JMC_FUSED=always" TOKENS=1,4,16 bash scripts/gpu_bisect.sh
+# TIMELINE=10 adds each entry's per-phase timeline of one cycle (the kernels' stamps, a
+# recorded graph+barrier loop of 10 cycles) to its log, to see where a difference goes.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_logs}; mkdir -p "$OUT"
 W=/tmp/bisect; mkdir -p "$W"
@@ -51,7 +53,7 @@ for c in ${COMMITS:?set COMMITS (each unpacked in .old/<commit>)}; do
   (cd /tmp && env "${envs[@]}" PYTHONPATH="/tmp/site_$tree" GIT_COMMIT=$tree timeout ${LIMIT:-120} \
     $PY -m jax_moe_comm.launch -n 8 --oversubscribe --timeout $(( ${LIMIT:-120} - 10 )) -- \
     $PY "$ROOT/.old/$tree/benchmarks/bench_loop.py" \
-    --tokens "${TOKENS:-1,16}" --ks "${KS:-1,10,50}" --calls 0 --timeline 0 --variants graph \
+    --tokens "${TOKENS:-1,16}" --ks "${KS:-1,10,50}" --calls 0 --timeline ${TIMELINE:-0} --variants graph \
     --out "$W/loop_${c//[+=]/_}.json" > "$W/loop_${c//[+=]/_}.log" 2>&1)
   echo "-- $c rc=$? $(grep -c 'us/cycle' "$W/loop_${c//[+=]/_}.log") rows"
   report
