@@ -12,6 +12,8 @@ These trees are measurements, never code to merge: each is wrong somewhere else.
   Safe in bench_loop's lockstep cycles only.
 - diag-notimer: no %globaltimer read for deadlines, no timeout check per poll.
 - diag-all: the three together.
+- diag-ackload: the sends load the previous cycle's acknowledgements relaxed, not acquire
+  (no CCTL.IVALL; the stores after it wait on the value anyway): prices the acquire.
 Each edit asserts that the text it replaces is there once, so a tree whose code moved fails
 here instead of timing something else. The trees leave out benchmarks/results (the device's
 carry is 64 MiB in all).
@@ -63,8 +65,16 @@ def no_timer(tree: str) -> None:
         "      if (deadline != ~0ull && globaltimer_ns() > deadline) {  // DIAG")
 
 
+def relaxed_ack_load(tree: str) -> None:
+    sub(tree, "csrc/kernels/dispatch_send.cuh",
+        "ack_lane ? ld_acquire_sys_u64(&sym.dispatch_ack[",
+        "ack_lane ? ld_relaxed_sys_u64(&sym.dispatch_ack[  /* DIAG */")
+    sub(tree, "csrc/kernels/combine_send.cuh", "ack_lane ? ld_acquire_sys_u64(&sym.combine_ack[",
+        "ack_lane ? ld_relaxed_sys_u64(&sym.combine_ack[  /* DIAG */")
+
+
 VARIANTS = {"diag-gpu": (gpu_scope,), "diag-noack": (no_ack,), "diag-notimer": (no_timer,),
-            "diag-all": (gpu_scope, no_ack, no_timer)}
+            "diag-all": (gpu_scope, no_ack, no_timer), "diag-ackload": (relaxed_ack_load,)}
 
 
 def main(commit: str) -> None:

@@ -18,7 +18,8 @@ def load():
     return module
 
 
-@pytest.mark.parametrize("variant", ["diag-gpu", "diag-noack", "diag-notimer", "diag-all"])
+@pytest.mark.parametrize("variant", ["diag-gpu", "diag-noack", "diag-notimer", "diag-all",
+                                     "diag-ackload"])
 def test_each_variant_applies_to_the_current_kernels(tmp_path, variant):
     diag = load()
     shutil.copytree(os.path.join(ROOT, "csrc"), tmp_path / "csrc")
