@@ -53,7 +53,8 @@ for c in ${COMMITS:?set COMMITS (each unpacked in .old/<commit>)}; do
   (cd /tmp && env "${envs[@]}" PYTHONPATH="/tmp/site_$tree" GIT_COMMIT=$tree timeout ${LIMIT:-120} \
     $PY -m jax_moe_comm.launch -n 8 --oversubscribe --timeout $(( ${LIMIT:-120} - 10 )) -- \
     $PY "$ROOT/.old/$tree/benchmarks/bench_loop.py" \
-    --tokens "${TOKENS:-1,16}" --ks "${KS:-1,10,50}" --calls 0 --timeline ${TIMELINE:-0} --variants graph \
+    --tokens "${TOKENS:-1,16}" --ks "${KS:-1,10,50}" --calls 0 --timeline "${TIMELINE:-0}" \
+    --variants graph \
     --out "$W/loop_${c//[+=]/_}.json" > "$W/loop_${c//[+=]/_}.log" 2>&1)
   echo "-- $c rc=$? $(grep -c 'us/cycle' "$W/loop_${c//[+=]/_}.log") rows"
   report
