@@ -69,9 +69,10 @@ def fused_kernels():
 
 
 def assert_options(a2a: AllToAll, options: dict):
-    """The handle really took what `options` (JMC_ACKS) asked for (a case under release acks
-    that ran the default would pass while testing nothing)."""
-    want = {"relaxed_acks": options.get("JMC_ACKS", "relaxed") == "relaxed"}
+    """The handle really took what `options` (JMC_ACKS; else the environment's) asked for (a
+    case under release acks that ran the default would pass while testing nothing)."""
+    asked = options.get("JMC_ACKS", os.environ.get("JMC_ACKS", ""))
+    want = {"relaxed_acks": asked != "release"}  # unset, empty or "relaxed": relaxed
     got = a2a.backend.protocol_options()
     assert got == want, f"rank {RANK}: {got}, expected {want}"
 
@@ -178,19 +179,20 @@ def main() -> int:
             def jitted_loop(dp=dp, mode=mode):
                 fused = fused_kernels() if mode == "fused" else contextlib.nullcontext()
                 with fused, AllToAll(small_config(dp), backend="nvshmem") as a2a:
-                    assert_options(a2a, {})  # the default: relaxed acknowledgements
+                    assert_options(a2a, {})  # the default (relaxed) or the environment's
                     bad = my_value(make_loop(a2a, mesh, cycles, max_spin=24, mode=mode)())
                     a2a.check()
                     assert bad == 0, f"rank {RANK}: {bad} of {cycles} cycles wrong"
                     return f"0 of {cycles} cycles wrong"
 
     # Acknowledgements are relaxed stores by default (core/protocol.cuh, set_ack): the loops
-    # above run them. The same loops with release acknowledgements (JMC_ACKS=release, the
-    # fallback), split, fused and both interleaved on one handle.
-    for mode in ("split", "fused", "mixed"):
-        @suite.case(f"EP{WORLD}-dp1-{cycles}-cycles-one-jit-skewed-{mode}-release-acks")
-        def release_loop(mode=mode):
-            options = dict(JMC_ACKS="release")
+    # above run them, split and fused; here both interleaved on one handle, then the same
+    # loops with release acknowledgements (JMC_ACKS=release, the fallback).
+    for mode, acks in (("mixed", "relaxed"), ("split", "release"), ("fused", "release"),
+                       ("mixed", "release")):
+        @suite.case(f"EP{WORLD}-dp1-{cycles}-cycles-one-jit-skewed-{mode}-{acks}-acks")
+        def acks_loop(mode=mode, acks=acks):
+            options = dict(JMC_ACKS=acks)
             env = dict(options, JMC_FUSED="always") if mode != "split" else options
             with protocol_env(**env), AllToAll(small_config(1), backend="nvshmem") as a2a:
                 assert_options(a2a, options)

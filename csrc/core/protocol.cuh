@@ -27,8 +27,8 @@ __device__ __forceinline__ T* peer_ptr(const CommonParams& c, T* local, int pe) 
 
 // SETs a 64-bit flag (count, ack, abort word, barrier flag) on `pe`, after every write and
 // read this thread made or observed before. A peer reachable by load/store gets a release
-// store at system scope (an ack follows reads of the peer's data: a GPU-scope fence would not
-// order them for a peer on another GPU). Any other peer gets a plain 8-byte put behind
+// store at system scope (a count follows writes into the peer: a GPU-scope fence would not
+// order them for a peer on another GPU; acks use set_ack below). Any other peer gets a plain 8-byte put behind
 // nvshmem_fence: proxy transports run signals as atomics at the target, which UCX cannot do
 // without GDRCopy ("AMO 8 not supported ... GDRCopy Disabled"), and flags only need SET: a
 // whole aligned word, never added to.
@@ -55,8 +55,11 @@ __device__ __forceinline__ void set_flag(const CommonParams& c, uint64_t* flag, 
 // handle asked for release acknowledgements (JMC_ACKS=release, CommonParams::release_acks): no
 // MEMBAR.SYS at the end of either receive, 2.8 us less per cycle at V2-Lite 1 token (H100,
 // 07499c1). What orders it after this rank's reads of the peer's data is the hardware, not the
-// PTX model: each read's value was stored to an output before the block barrier, so the load
-// has returned before the barrier and the ack after it. pplx-kernels acknowledges with no
+// PTX model: every read whose value is used (stored to an output, or deciding a branch or an
+// atomic) has returned before the block barrier (and, in multi-block grids, before each
+// block's ticket), and the ack is stored after it. A load whose value is discarded (a slot's
+// weight that is not local, a flag re-read on success) may still be in flight: a later
+// cycle's data landing under it cannot reach any output. pplx-kernels acknowledges with no
 // fence at all. A violation would be a peer overwriting rows still being read: the soak worker
 // checks every cycle's data.
 __device__ __forceinline__ void set_ack(const CommonParams& c, uint64_t* flag, uint64_t value,
