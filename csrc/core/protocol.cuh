@@ -28,10 +28,10 @@ __device__ __forceinline__ T* peer_ptr(const CommonParams& c, T* local, int pe) 
 // SETs a 64-bit flag (count, ack, abort word, barrier flag) on `pe`, after every write and
 // read this thread made or observed before. A peer reachable by load/store gets a release
 // store at system scope (a count follows writes into the peer: a GPU-scope fence would not
-// order them for a peer on another GPU; acks use set_ack below). Any other peer gets a plain 8-byte put behind
-// nvshmem_fence: proxy transports run signals as atomics at the target, which UCX cannot do
-// without GDRCopy ("AMO 8 not supported ... GDRCopy Disabled"), and flags only need SET: a
-// whole aligned word, never added to.
+// order them for a peer on another GPU; acks go through set_ack below). Any other peer gets a
+// plain 8-byte put behind nvshmem_fence: proxy transports run signals as atomics at the
+// target, which UCX cannot do without GDRCopy ("AMO 8 not supported ... GDRCopy Disabled"),
+// and flags only need SET: a whole aligned word, never added to.
 // A kernel that passes itself as `counted` adds the message to its staged_messages count.
 __device__ __forceinline__ void count_staged(const CommonParams& c, KernelId kernel,
                                              uint64_t messages) {
