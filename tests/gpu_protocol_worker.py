@@ -173,6 +173,12 @@ def main() -> int:
     if args.exit_test:
         return exit_test(mesh)
 
+    def checked_loop(a2a, mode):  # `cycles` skewed cycles in one jitted loop, each checked
+        bad = my_value(make_loop(a2a, mesh, cycles, max_spin=24, mode=mode)())
+        a2a.check()
+        assert bad == 0, f"rank {RANK}: {bad} of {cycles} cycles wrong"
+        return f"0 of {cycles} cycles wrong"
+
     for dp in sorted({dp for dp in (1, 2, WORLD) if WORLD % dp == 0}):
         for mode in ("split", "fused"):
             @suite.case(f"EP{WORLD}-dp{dp}-{cycles}-cycles-one-jit-skewed-{mode}")
@@ -180,10 +186,7 @@ def main() -> int:
                 fused = fused_kernels() if mode == "fused" else contextlib.nullcontext()
                 with fused, AllToAll(small_config(dp), backend="nvshmem") as a2a:
                     assert_options(a2a, {})  # the default (relaxed) or the environment's
-                    bad = my_value(make_loop(a2a, mesh, cycles, max_spin=24, mode=mode)())
-                    a2a.check()
-                    assert bad == 0, f"rank {RANK}: {bad} of {cycles} cycles wrong"
-                    return f"0 of {cycles} cycles wrong"
+                    return checked_loop(a2a, mode)
 
     # Acknowledgements are relaxed stores by default (core/protocol.cuh, set_ack): the loops
     # above run them, split and fused; here both interleaved on one handle, then the same
@@ -196,10 +199,7 @@ def main() -> int:
             env = dict(options, JMC_FUSED="always") if mode != "split" else options
             with protocol_env(**env), AllToAll(small_config(1), backend="nvshmem") as a2a:
                 assert_options(a2a, options)
-                bad = my_value(make_loop(a2a, mesh, cycles, max_spin=24, mode=mode)())
-                a2a.check()
-                assert bad == 0, f"rank {RANK}: {bad} of {cycles} cycles wrong"
-                return f"0 of {cycles} cycles wrong"
+                return checked_loop(a2a, mode)
 
     @suite.case(f"EP{WORLD}-two-handles-interleaved-in-one-jit")
     def two_handles():
