@@ -108,7 +108,7 @@ RANKS = 8
 HBM_BPS, PEAK_FLOPS = 4.0e12, 700e12
 OPTIONS = ("einsum", "ragged_dot", "ragged_dot_triton", "tokamax", "masked", "tokamax_unfused",
            "tokamax_mosaic", "tokamax_xla", "tokamax_kernelwgrad", "tokamax_alignedwgrad",
-           "tokamax_ownvjp")
+           "tokamax_ownvjp", "bucketed_tokamax", "sliced_tokamax")
 TOKAMAX_IMPLS = ("mosaic", "triton", "xla", "mosaic_gpu",  # tokamax 0.0.17's names
                  "mosaic_persistent")  # ours (expert_gemm.TOKAMAX_PERSISTENT)
 # tokamax kernel specs (tokamax_cfg_<spec>) of the preset "sweep": pairs differing in one letter
@@ -221,6 +221,20 @@ def option_fn(option, case=None):
     if option == "tokamax_ownvjp":  # tokamax's own VJP (the layer's before grouped_vjp)
         return "packed", lambda x, c, wi, wo: G._tokamax_forward(x, c.astype(jnp.int32), wi, wo,
                                                                  bf16)
+    if option in ("bucketed_tokamax", "sliced_tokamax"):  # row buckets (issue 24)
+        # buckets of 1.25x and 2x the live rows, then the whole buffer (MoELayerConfig's
+        # gemm_row_buckets=(1.25, 2.0)); "sliced" runs the first bucket's branch alone (no
+        # conditional: what the switch costs on top of it)
+        sizes = () if case is None else (1.25 * case.live, 2.0 * case.live)
+        if option == "bucketed_tokamax":
+            return "packed", lambda x, c, wi, wo: G.expert_mlp(
+                x, c, wi, wo, "tokamax", grad_window=window, row_buckets=sizes, **out)
+
+        def sliced(x, c, wi, wo):
+            b = G.bucket_rows(x.shape[0], sizes)[0]
+            y = G.tokamax_mlp(x[:b], c, wi, wo, grad_window=min(window, b), **out)
+            return jnp.pad(y, ((0, x.shape[0] - b), (0, 0)))
+        return "packed", sliced
     if option.startswith("tokamax_"):
         impl, unfused = tokamax_variant(option)
         if unfused:
@@ -377,12 +391,23 @@ def looped(op):
     return jax.jit(run, donate_argnums=(1, 2))
 
 
+def hlo_counts(hlo_text: str) -> dict:
+    """How many conditionals, copies and command buffers the compiled program holds (a row
+    bucket's lax.switch: recorded into a command buffer, or copying its operands?)."""
+    return {name: hlo_text.count(key) for name, key in
+            (("conditional", " conditional("), ("copy", " copy("),
+             ("command_buffer", "command_buffer"))}
+
+
 def custom_calls(hlo_text: str) -> str:
     """Which GEMM kernels the compiled program holds, e.g. 'cublas', 'mosaic_gpu'."""
     markers = (('custom_call_target="mosaic', "mosaic_gpu"),
                ("__gpu$xla.gpu.triton", "pallas_triton"), ("__triton_gemm", "xla_triton_gemm"),
                ("__cublas$lt", "cublasLt"), ("__cublas$gemm", "cublas"), ("__cudnn$", "cudnn"))
     return "+".join(name for key, name in markers if key in hlo_text) or "xla"
+
+
+HLO_COUNTS: list[dict] = []  # hlo_counts of each compiled program, in measure()'s order
 
 
 def measure(op, args, runs, target_s):
@@ -397,6 +422,7 @@ def measure(op, args, runs, target_s):
         warnings.simplefilter("ignore")  # donation is not implemented on CPU
         compiled = looped(op).lower(one, args, outs).compile()
     impl = custom_calls(compiled.as_text())
+    HLO_COUNTS.append(hlo_counts(compiled.as_text()))
     args, outs = compiled(one, args, outs)
     first = copy(outs)
     jax.block_until_ready((args, outs, first))
@@ -527,6 +553,7 @@ def bench_option(case, option, ref, known_errors):
         fb_s, fb_out, impl_b = measure(fwd_bwd_op(mlp), args, ARGS.runs, target)
         row["fwd_bwd_us"] = round(fb_s * 1e6, 2)
         row["impl"] = impl if impl == impl_b else f"fwd {impl}, bwd {impl_b}"
+        row["hlo_fwd"], row["hlo_fwd_bwd"] = HLO_COUNTS[-2:]
         if option == "masked":
             row["impl"] = f"gather+{G.masked_inner()}({row['impl']})+scatter"
         if ref is None:
