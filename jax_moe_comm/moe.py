@@ -51,6 +51,7 @@ class MoELayerConfig:
     # () runs every row; so does "auto" where it means the einsum (CPU). On a GPU it needs
     # CONDITIONAL in XLA's command buffers to avoid a host wait per layer (docs/knobs.md).
     # For inference: under jax.grad every bucket's saved values are kept (bucketed_mlp).
+    # Measured slower than no buckets on an H100 (2026-12-06, docs/knobs.md): off by default.
     gemm_row_buckets: tuple[float, ...] = ()
 
     def __post_init__(self):
