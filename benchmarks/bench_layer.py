@@ -9,7 +9,9 @@ this GPU: the local experts' weights read once plus our dispatch + combine alone
 
 Per row (all numbers per layer, per rank, the slowest rank of each sample, median of samples):
   loop_us     device time per layer: one jitted lax.fori_loop of n layers (each layer's output,
-              RMS-normalised, is the next layer's input; the trip count is an argument, so one
+              RMS-normalised, is the next layer's input, or with --loop-input first the first
+              input again, tied to the last output by a zero multiple so the layers stay in
+              order; the trip count is an argument, so one
               program serves every n), timed at n = 1 and n = N (N: --target-ms per sample) with
               a key-value barrier before each sample; the slope (t(N) - t(1)) / (N - 1) (host
               launch and sync cancel out) where N >= 5, else (long layers) t(N) / N, as
@@ -136,6 +138,11 @@ def parse(argv=None):
     p.add_argument("--bf16", action="store_true", help="bf16 dispatch (default fp8)")
     p.add_argument("--shared-expert", action="store_true",
                    help="include the shared expert (the issue's layer step has none)")
+    p.add_argument("--loop-input", choices=("output", "first"), default="output",
+                   help="each looped layer's input: the previous output (its routing drifts: "
+                   "busiest rank 1.2-1.3x the mean from the second layer on at V2-Lite, 128 "
+                   "tokens, on the CPU) or the first input again (every layer routes as the "
+                   "first)")
     p.add_argument("--samples", type=int, default=5, help="timed samples per loop length")
     p.add_argument("--step-calls", type=int, default=10)
     p.add_argument("--target-ms", type=float, default=30.0, help="device time of one sample")
@@ -593,6 +600,7 @@ class Bench:
                 timespec="seconds"),
             command=" ".join(["python"] + sys.argv), jax=jax.__version__,
             xla_flags=os.environ.get("XLA_FLAGS", ""), backend_requested=args.backend,
+            loop_input=args.loop_input,
             dispatch_dtype="bf16" if args.bf16 else "fp8", shared_expert=args.shared_expert,
             capacity_support=CAPACITY, expert_capacity_support=EXPERT_CAPACITY,
             tokamax_problem=tk, masked_inner=G.masked_inner(),
@@ -797,9 +805,13 @@ class Bench:
                 y = moe_forward(a2a, cfg, p, x, n.reshape(()), route_x=route_x)
             return renorm(y)
 
+        first_input = self.args.loop_input == "first"
+
         def looped(comm_only):
             def loop(cnt, p, x, n, v):
-                return jax.lax.fori_loop(0, cnt, lambda _, h: layer(p, h, n, v, comm_only), x)
+                def body(_, h):  # "first": x again, ordered after h (XLA keeps x + 0 * h)
+                    return layer(p, x + 0 * h if first_input else h, n, v, comm_only)
+                return jax.lax.fori_loop(0, cnt, body, x)
             return jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P(), pspecs, P("ep"),
                                                                      P("ep"), P()),
                                          out_specs=P("ep")))

@@ -328,7 +328,9 @@ def test_capacity_gemm_list_gives_a_capacity_row_per_option(tmp_path, fake_site)
 
 def test_row_bucket_rows_run_on_packed_rows_only(tmp_path, fake_site):
     """--expert-gemm tokamax~0.5/1: MoELayerConfig(gemm_row_buckets=(0.5, 1.0)) on the packed
-    layout alone (buckets cut packed rows); the row records its buckets, runs and is right."""
+    layout alone (buckets cut packed rows); the row records its buckets, runs and is right.
+    With --loop-input first (each looped layer on the first input, as bucket rows are
+    compared on the GPU), recorded in the run's metadata."""
     rows = _plan(fake_site, tmp_path, "--configs", "tiny", "--tokens", "4", "--layouts",
                  "padded,packed", "--expert-gemm", "einsum,tokamax~0.5/1", "--capacity-factor",
                  "0", "--skew", "0")
@@ -337,7 +339,9 @@ def test_row_bucket_rows_run_on_packed_rows_only(tmp_path, fake_site):
     out = tmp_path / "out"
     run([LAYER, "--configs", "tiny", "--tokens", "4", "--layouts", "padded,packed",
          "--expert-gemm", "einsum,tokamax~0.5/1", "--capacity-factor", "0", "--skew", "0",
-         "--name", "smoke", "--out", str(out), *FAST], fake_site, tmp_path)
+         "--loop-input", "first", "--name", "smoke", "--out", str(out), *FAST], fake_site,
+        tmp_path)
+    assert layer_json(out)["loop_input"] == "first"
     reference, _, row = layer_json(out)["rows"]  # (the padded einsum: the others' reference)
     assert reference["gemm_row_buckets"] is None and reference["err"] == 0.0
     assert row["gemm_row_buckets"] == [0.5, 1.0] and row["expert_gemm_resolved"] == "tokamax"
