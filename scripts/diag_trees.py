@@ -1,7 +1,7 @@
 """Diagnostic trees for issue 23: a commit's source with one fixed cost taken out, to time by
 removal what a 1-token cycle spends on it (scripts/gpu_bisect.sh times each tree).
 
-    python scripts/diag_trees.py d2745f9      # -> .old/d2745f9, .old/diag-{gpu,noack,notimer,all}
+    python scripts/diag_trees.py d2745f9      # -> .old/d2745f9, .old/diag-{gpu,noack,...}
     COMMITS="d2745f9 diag-gpu diag-noack diag-notimer diag-all" TOKENS=1,4 \
       bash scripts/gpu_bisect.sh             # on the device, .old carried
 
@@ -9,7 +9,9 @@ These trees are measurements, never code to merge: each is wrong somewhere else.
 - diag-gpu: every flag load/store of ours at GPU scope instead of system scope. Correct with
   every rank on one GPU (the device machine), wrong across GPUs: it prices MEMBAR.SYS.
 - diag-noack: no acknowledgements (not waited by the sends, not published by the recvs).
-  Safe in bench_loop's lockstep cycles only.
+  Safe in bench_loop's lockstep cycles only. diag-nodack and diag-nocack: the dispatch half's
+  or the combine half's alone (diag-nocack bounds what implicit combine acknowledgements,
+  docs/notes.md, could give: they drop exactly those, for an order check).
 - diag-notimer: no %globaltimer read for deadlines, no timeout check per poll.
 - diag-all: the three together.
 - diag-ackload: the sends load the previous cycle's acknowledgements relaxed, not acquire
@@ -45,15 +47,21 @@ def gpu_scope(tree: str) -> None:
         sub(tree, "csrc/core/memory.cuh", f"{op}.sys.global", f"{op}.gpu.global")
 
 
-def no_ack(tree: str) -> None:
-    for path, peers in (("csrc/kernels/dispatch_send.cuh", "G"),
-                        ("csrc/kernels/combine_send.cuh", "s.world_size")):
-        sub(tree, path, f"  const bool ack_lane = threadIdx.x < kWarpSize && threadIdx.x < {peers};",
-            "  const bool ack_lane = false;  // DIAG: no ack load")
-        sub(tree, path, "  if (ok && threadIdx.x < kWarpSize) {\n    for (int ",
-            "  if (false && ok && threadIdx.x < kWarpSize) {  // DIAG: no ack wait\n    for (int ")
+def _no_send_ack_wait(tree: str, path: str, peers: str) -> None:
+    sub(tree, path, f"  const bool ack_lane = threadIdx.x < kWarpSize && threadIdx.x < {peers};",
+        "  const bool ack_lane = false;  // DIAG: no ack load")
+    sub(tree, path, "  if (ok && threadIdx.x < kWarpSize) {\n    for (int ",
+        "  if (false && ok && threadIdx.x < kWarpSize) {  // DIAG: no ack wait\n    for (int ")
+
+
+def no_dispatch_ack(tree: str) -> None:
+    _no_send_ack_wait(tree, "csrc/kernels/dispatch_send.cuh", "G")
     sub(tree, "csrc/kernels/dispatch_recv.cuh", "  if (healthy) {\n    for (int g = threadIdx.x;",
         "  if (false && healthy) {  // DIAG: no ack\n    for (int g = threadIdx.x;")
+
+
+def no_combine_ack(tree: str) -> None:
+    _no_send_ack_wait(tree, "csrc/kernels/combine_send.cuh", "s.world_size")
     sub(tree, "csrc/kernels/combine_recv.cuh", "  if (acknowledge) {",
         "  if (false && acknowledge) {  // DIAG: no ack")
 
@@ -73,8 +81,11 @@ def relaxed_ack_load(tree: str) -> None:
         "ack_lane ? ld_relaxed_sys_u64(&sym.combine_ack[  /* DIAG */")
 
 
-VARIANTS = {"diag-gpu": (gpu_scope,), "diag-noack": (no_ack,), "diag-notimer": (no_timer,),
-            "diag-all": (gpu_scope, no_ack, no_timer), "diag-ackload": (relaxed_ack_load,)}
+VARIANTS = {"diag-gpu": (gpu_scope,), "diag-noack": (no_dispatch_ack, no_combine_ack),
+            "diag-nodack": (no_dispatch_ack,), "diag-nocack": (no_combine_ack,),
+            "diag-notimer": (no_timer,),
+            "diag-all": (gpu_scope, no_dispatch_ack, no_combine_ack, no_timer),
+            "diag-ackload": (relaxed_ack_load,)}
 
 
 def main(commit: str) -> None:

@@ -18,8 +18,8 @@ def load():
     return module
 
 
-@pytest.mark.parametrize("variant", ["diag-gpu", "diag-noack", "diag-notimer", "diag-all",
-                                     "diag-ackload"])
+@pytest.mark.parametrize("variant", ["diag-gpu", "diag-noack", "diag-nodack", "diag-nocack",
+                                     "diag-notimer", "diag-all", "diag-ackload"])
 def test_each_variant_applies_to_the_current_kernels(tmp_path, variant):
     diag = load()
     shutil.copytree(os.path.join(ROOT, "csrc"), tmp_path / "csrc")
@@ -27,6 +27,13 @@ def test_each_variant_applies_to_the_current_kernels(tmp_path, variant):
         edit(str(tmp_path))
     text = "".join(p.read_text() for p in (tmp_path / "csrc").rglob("*.cuh"))
     assert ("DIAG" in text) == (variant != "diag-gpu")
+    halves = {"diag-nodack": ("dispatch", "combine"), "diag-nocack": ("combine", "dispatch")}
+    if variant in halves:  # one half's acknowledgements only
+        edited, kept = halves[variant]
+        kernels = tmp_path / "csrc" / "kernels"
+        for half, want in ((edited, True), (kept, False)):
+            for part in ("send", "recv"):
+                assert ("DIAG" in (kernels / f"{half}_{part}.cuh").read_text()) == want
     if "gpu_scope" in [e.__name__ for e in diag.VARIANTS[variant]]:
         memory = (tmp_path / "csrc" / "core" / "memory.cuh").read_text()
         assert ".sys.global" not in memory and memory.count(".gpu.global") == 4
