@@ -11,11 +11,11 @@ Per row (all numbers per layer, per rank, the slowest rank of each sample, media
   loop_us     device time per layer: one jitted lax.fori_loop of n layers (each layer's output,
               RMS-normalised, is the next layer's input, or with --loop-input first the first
               input again, tied to the last output by a zero multiple so the layers stay in
-              order; the trip count is an argument, so one
-              program serves every n), timed at n = 1 and n = N (N: --target-ms per sample) with
-              a key-value barrier before each sample; the slope (t(N) - t(1)) / (N - 1) (host
-              launch and sync cancel out) where N >= 5, else (long layers) t(N) / N, as
-              loop_method says; loop_slope_us and loop_avg_us = t(N) / N beside it.
+              order; the trip count is an argument, so one program serves every n), timed at
+              n = 1 and n = N (N: --target-ms per sample) with a key-value barrier before
+              each sample; the slope (t(N) - t(1)) / (N - 1) (host launch and sync cancel
+              out) where N >= 5, else (long layers) t(N) / N, as loop_method says;
+              loop_slope_us and loop_avg_us = t(N) / N beside it.
   comm_us     the same loop with the expert GEMMs replaced by a cast (expert_x straight to
               combine; moe.experts_forward swapped while tracing): dispatch + combine (and the
               router, the normalisation) alone, same layout, same handle; timed again right
