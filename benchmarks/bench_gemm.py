@@ -232,7 +232,7 @@ def option_fn(option, case=None):
 
         def sliced(x, c, wi, wo):
             b = G.bucket_rows(x.shape[0], sizes)[0]
-            y = G.tokamax_mlp(x[:b], c, wi, wo, grad_window=min(window, b), **out)
+            y = G.tokamax_mlp(x[:b], c, wi, wo, grad_window=window and min(window, b), **out)
             return jnp.pad(y, ((0, x.shape[0] - b), (0, 0)))
         return "packed", sliced
     if option.startswith("tokamax_"):
@@ -392,11 +392,14 @@ def looped(op):
 
 
 def hlo_counts(hlo_text: str) -> dict:
-    """How many conditionals, copies and command buffers the compiled program holds (a row
-    bucket's lax.switch: recorded into a command buffer, or copying its operands?)."""
-    return {name: hlo_text.count(key) for name, key in
-            (("conditional", " conditional("), ("copy", " copy("),
-             ("command_buffer", "command_buffer"))}
+    """How many conditionals and copies the compiled program holds, and how many command-buffer
+    computations XLA wrapped (definitions only: their call sites name them again). For a row
+    bucket's lax.switch (recorded into a command buffer, or copying its operands?); the plain
+    tokamax row's counts are the baseline (its VJP has conditionals and copies of its own)."""
+    definitions = sum(1 for line in hlo_text.splitlines()
+                      if line.lstrip().startswith("%command_buffer") and line.rstrip()[-1:] == "{")
+    return {"conditional": hlo_text.count(" conditional("), "copy": hlo_text.count(" copy("),
+            "command_buffers": definitions}
 
 
 def custom_calls(hlo_text: str) -> str:
@@ -407,12 +410,9 @@ def custom_calls(hlo_text: str) -> str:
     return "+".join(name for key, name in markers if key in hlo_text) or "xla"
 
 
-HLO_COUNTS: list[dict] = []  # hlo_counts of each compiled program, in measure()'s order
-
-
 def measure(op, args, runs, target_s):
-    """(per-op seconds, first outputs, impl): compile, one call for the outputs, N sized to
-    target_s, warm-up, median of `runs` calls / N."""
+    """(per-op seconds, first outputs, impl, hlo_counts): compile, one call for the outputs, N
+    sized to target_s, warm-up, median of `runs` calls / N."""
     copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t))
     args = copy(args)  # this measurement's own buffers (they are donated)
     outs = jax.jit(lambda a: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
@@ -421,8 +421,8 @@ def measure(op, args, runs, target_s):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # donation is not implemented on CPU
         compiled = looped(op).lower(one, args, outs).compile()
-    impl = custom_calls(compiled.as_text())
-    HLO_COUNTS.append(hlo_counts(compiled.as_text()))
+    text = compiled.as_text()
+    impl, counts = custom_calls(text), hlo_counts(text)
     args, outs = compiled(one, args, outs)
     first = copy(outs)
     jax.block_until_ready((args, outs, first))
@@ -437,7 +437,7 @@ def measure(op, args, runs, target_s):
         t = time.perf_counter()
         args, outs = jax.block_until_ready(compiled(n, args, outs))
         times.append(time.perf_counter() - t)
-    return statistics.median(times) / int(n), first, impl
+    return statistics.median(times) / int(n), first, impl, counts
 
 
 # -- correctness -------------------------------------------------------------------------------
@@ -548,12 +548,12 @@ def bench_option(case, option, ref, known_errors):
             row["tokamax_config"] = (tokamax_config(case) if G.tokamax_spec(impl) is None
                                      else tokamax_spec_config(case, impl))
         target = ARGS.target_ms / 1e3
-        fwd_s, fwd_out, impl = measure(fwd_op(mlp), args, ARGS.runs, target)
+        fwd_s, fwd_out, impl, row["hlo_fwd"] = measure(fwd_op(mlp), args, ARGS.runs, target)
         row["fwd_us"] = round(fwd_s * 1e6, 2)
-        fb_s, fb_out, impl_b = measure(fwd_bwd_op(mlp), args, ARGS.runs, target)
+        fb_s, fb_out, impl_b, row["hlo_fwd_bwd"] = measure(fwd_bwd_op(mlp), args, ARGS.runs,
+                                                            target)
         row["fwd_bwd_us"] = round(fb_s * 1e6, 2)
         row["impl"] = impl if impl == impl_b else f"fwd {impl}, bwd {impl_b}"
-        row["hlo_fwd"], row["hlo_fwd_bwd"] = HLO_COUNTS[-2:]
         if option == "masked":
             row["impl"] = f"gather+{G.masked_inner()}({row['impl']})+scatter"
         if ref is None:

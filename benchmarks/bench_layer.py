@@ -140,7 +140,7 @@ def parse(argv=None):
                    help="include the shared expert (the issue's layer step has none)")
     p.add_argument("--loop-input", choices=("output", "first"), default="output",
                    help="each looped layer's input: the previous output (its routing drifts: "
-                   "busiest rank 1.2-1.3x the mean from the second layer on at V2-Lite, 128 "
+                   "busiest rank 1.21-1.33x the mean from the second layer on at V2-Lite, 128 "
                    "tokens, on the CPU) or the first input again (every layer routes as the "
                    "first)")
     p.add_argument("--samples", type=int, default=5, help="timed samples per loop length")

@@ -68,30 +68,31 @@ Launch launch_for(const Shape& s, KernelId kernel, Launch tuning) {
 // slot rows for combine. Measured at 15fe1ae (8 ranks, fp8): at 1 token fused vs split
 // V2-Lite 59.2 vs 69.8 us, R1 89.4 vs 96.3; at 4 tokens a one-block dispatch (32 pairs on 16
 // warps) was slower than the split kernels (R1 79.1 vs 65.5 us dispatch).
-// The index in `choices` of environment variable `name`'s value (unset reads as ""), or -1:
-// create_handle refuses that with the accepted values.
-int env_choice(const char* name, std::initializer_list<const char*> choices) {
-  const char* value = std::getenv(name);
-  int i = 0;
-  for (const char* choice : choices) {
-    if (std::strcmp(value ? value : "", choice) == 0) return i;
-    ++i;
-  }
-  return -1;
-}
-
-std::string env_refusal(const char* name, const char* expected) {
-  return std::string(name) + "=" + std::getenv(name) + ": expected " + expected;
-}
-
 // JMC_FUSED (tests): "always" runs the fused kernel (one block) at any shape, "never" never;
 // unset or empty, the rule above.
 enum class FusedMode { kAuto, kAlways, kNever };
-// JMC_PDL: "0" launches every kernel stream-ordered (for measuring what programmatic dependent
-// launch gains); unset, empty or "1": dependent launches on compute capability 9.0 and newer.
-// JMC_ACKS: "release" acknowledges load/store peers with a release store, as before 2026-12-06
-// (for A/B timing and as a fallback); unset, empty or "relaxed": a relaxed store (protocol.cuh,
-// set_ack). Agreed across ranks (PROTOCOL_ENV), as JMC_FUSED and JMC_PDL are.
+
+// An environment setting read at creation: its value ("" when unset) and its index in the
+// accepted values, or -1 (create_handle refuses it, naming the accepted values).
+struct EnvChoice {
+  std::string value;
+  int index;
+};
+
+EnvChoice env_choice(const char* name, std::initializer_list<const char*> accepted) {
+  const char* set = std::getenv(name);
+  EnvChoice choice{set ? set : "", -1};
+  int i = 0;
+  for (const char* value : accepted) {
+    if (choice.value == value) choice.index = i;
+    ++i;
+  }
+  return choice;
+}
+
+std::string env_refusal(const char* name, const EnvChoice& choice, const char* expected) {
+  return std::string(name) + "=" + choice.value + ": expected " + expected;
+}
 
 // The device supports it (compute capability 9.0+) and the kernel image running on it has the
 // griddepcontrol.wait (built from compute_90+ code: a build for sm_80 only, JIT-compiled on a
@@ -238,13 +239,18 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
   if (!bad.empty()) return bad;
   if (tuning.warps_per_block < 2 || tuning.warps_per_block > kMaxWarpsPerBlock)
     return "warps_per_block must be in [2, " + std::to_string(kMaxWarpsPerBlock) + "]";
-  const int fused = env_choice("JMC_FUSED", {"", "always", "never"});
-  if (fused < 0) return env_refusal("JMC_FUSED", "always, never or unset");
-  const FusedMode fused_mode = static_cast<FusedMode>(fused);  // the enum's order
-  const int pdl = env_choice("JMC_PDL", {"", "1", "0"});  // 2: stream-ordered launches
-  if (pdl < 0) return env_refusal("JMC_PDL", "0, 1 or unset");
-  const int acks = env_choice("JMC_ACKS", {"", "relaxed", "release"});  // 2: release
-  if (acks < 0) return env_refusal("JMC_ACKS", "relaxed, release or unset");
+  // Settings agreed across ranks before creation (PROTOCOL_ENV), read here.
+  const EnvChoice fused = env_choice("JMC_FUSED", {"", "always", "never"});  // FusedMode's order
+  if (fused.index < 0) return env_refusal("JMC_FUSED", fused, "always, never or unset");
+  // JMC_PDL: "0" launches every kernel stream-ordered (for measuring what programmatic dependent
+  // launch gains); unset, empty or "1": dependent launches on compute capability 9.0 and newer.
+  const EnvChoice pdl = env_choice("JMC_PDL", {"", "1", "0"});
+  if (pdl.index < 0) return env_refusal("JMC_PDL", pdl, "0, 1 or unset");
+  // JMC_ACKS: "release" acknowledges load/store peers with a release store, as before
+  // 2026-12-06 (for A/B timing and as a fallback); unset, empty or "relaxed": a relaxed store
+  // (protocol.cuh, set_ack).
+  const EnvChoice acks = env_choice("JMC_ACKS", {"", "relaxed", "release"});
+  if (acks.index < 0) return env_refusal("JMC_ACKS", acks, "relaxed, release or unset");
   if (staged_node_size > 0) {  // the same on every rank (agreed before): safe to return here
     if (shape.world_size > kMaxPeerTable)
       return "transport='staged' emulates nodes through the peer table: up to " +
@@ -269,13 +275,14 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
   h->rank = nvshmem_my_pe();
   h->timeout_ns = timeout_ns;
   h->staged = staged;
-  h->release_acks = acks == 2;
+  h->release_acks = acks.value == "release";
   for (int kernel = 0; kernel < kNumKernels; ++kernel)
     h->launch[kernel] = launch_for(shape, static_cast<KernelId>(kernel), tuning);
   for (int op = 0; op < kNumFusedOps; ++op)
     h->fused_launch[op] = fused_launch_for(shape, static_cast<FusedOp>(op),
-                                           tuning.warps_per_block, fused_mode);
-  h->dependent_launch = pdl != 2 && device_has_dependent_launch();
+                                           tuning.warps_per_block,
+                                           static_cast<FusedMode>(fused.index));
+  h->dependent_launch = pdl.value != "0" && device_has_dependent_launch();
   for (Launch& l : h->launch) l.dependent_launch = h->dependent_launch;
   for (Launch& l : h->fused_launch) l.dependent_launch = h->dependent_launch;
   std::string error = allocate_local(h.get());  // local first: nothing collective can fail on it

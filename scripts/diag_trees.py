@@ -11,7 +11,7 @@ These trees are measurements, never code to merge: each is wrong somewhere else.
 - diag-noack: no acknowledgements (not waited by the sends, not published by the recvs).
   Safe in bench_loop's lockstep cycles only. diag-nodack and diag-nocack: the dispatch half's
   or the combine half's alone (diag-nocack bounds what implicit combine acknowledgements,
-  docs/notes.md, could give: they drop exactly those, for an order check).
+  docs/notes.md, could give: they drop exactly those, and add an order check at launch).
 - diag-notimer: no %globaltimer read for deadlines, no timeout check per poll.
 - diag-all: the three together.
 - diag-ackload: the sends load the previous cycle's acknowledgements relaxed, not acquire

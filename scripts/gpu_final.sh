@@ -45,7 +45,8 @@ tokamax_site() {  # tokamax and what it needs, carried as wheels in .whl/ (no re
     $PY -m pip install -q --no-index --no-deps --target "$TK_SITE" "$ROOT"/.whl/*.whl \
       > "$LOGS/whl.log" 2>&1 || echo "-- .whl install failed (tokamax rows say why)" | tee -a "$OUT/summary.txt"
     # said once, loudly: the grad suite skips its tokamax cases and still passes without it
-    PYTHONPATH="$TK_SITE" $PY -c "import tokamax" >> "$LOGS/whl.log" 2>&1 || echo "-- tokamax" \
+    PYTHONPATH="$TK_SITE${PYTHONPATH:+:$PYTHONPATH}" $PY -c "import tokamax" >> "$LOGS/whl.log" \
+      2>&1 || echo "-- tokamax" \
       "does not import (no tokamax cases or rows): $(tail -1 "$LOGS/whl.log")" | tee -a "$OUT/summary.txt"
   fi
 }
