@@ -91,14 +91,17 @@ def time_case(case: Case, mesh, args) -> dict:
     T.run_and_check(a2a, mesh, inp)  # correct first
     x, xs, idx, w, nt = T.global_inputs(cfg, mesh, inp)
 
-    def experts(x, xs, idx, nt):  # expert_y of one dispatch, computed once
+    def experts(x, xs, idx, w, nt):  # expert_y of one dispatch, computed once
         out = a2a.dispatch(x, idx, nt.reshape(()), x_scale=xs)
         groups = out.expert_num_tokens if a2a.layout == "packed" else None
-        return T.expert_outputs(cfg, jax.lax.axis_index("ep"), out.expert_x, out.expert_x_scale,
-                                groups)
+        ey = T.expert_outputs(cfg, jax.lax.axis_index("ep"), out.expert_x, out.expert_x_scale,
+                              groups)
+        # a whole cycle: under JMC_ACKS=implicit a dispatch with no combine after it makes the
+        # next dispatch_send a ProtocolError (its counts would acknowledge rows never read)
+        return ey, a2a.combine(ey, out.routing, idx, w, nt.reshape(()))
 
-    ey = jax.jit(jax.shard_map(experts, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec))(
-        x, xs, idx, nt)
+    ey, _ = jax.jit(jax.shard_map(experts, mesh=mesh, in_specs=(spec,) * 5,
+                                  out_specs=(spec, spec)))(x, xs, idx, w, nt)
     operands = (x, xs, idx, w, nt, ey)
 
     def cycle(x, xs, idx, w, nt, ey):
