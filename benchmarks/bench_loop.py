@@ -96,8 +96,8 @@ def time_case(case: Case, mesh, args) -> dict:
         groups = out.expert_num_tokens if a2a.layout == "packed" else None
         ey = T.expert_outputs(cfg, jax.lax.axis_index("ep"), out.expert_x, out.expert_x_scale,
                               groups)
-        # a whole cycle: under JMC_ACKS=implicit a dispatch with no combine after it makes the
-        # next dispatch_send a ProtocolError (its counts would acknowledge rows never read)
+        # a whole cycle, as the timed loops run them: a handle whose next dispatch counts
+        # acknowledge the last combine (branch implicit-acks) refuses a dispatch alone
         return ey, a2a.combine(ey, out.routing, idx, w, nt.reshape(()))
 
     ey, _ = jax.jit(jax.shard_map(experts, mesh=mesh, in_specs=(spec,) * 5,
