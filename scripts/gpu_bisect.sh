@@ -9,6 +9,8 @@
 # An entry <commit>+VAR=value[+VAR=value] times the same tree again with those environment
 # settings (built once), e.g. a knob's A/B in the same call:
 #   COMMITS="d2745f9 d2745f9+JMC_FUSED=always" TOKENS=1,4,16 bash scripts/gpu_bisect.sh
+# A setting nothing reads repeats an entry (A B A B, to see the run's own drift; 2026-12-06):
+#   COMMITS="$H other+JMC_ACKS=implicit $H+X=1 other+JMC_ACKS=implicit+X=1" ...
 # TIMELINE=10 adds each entry's per-phase timeline of one cycle (the kernels' stamps, a
 # recorded graph+barrier loop of 10 cycles) to its log, to see where a difference goes.
 set -uo pipefail
