@@ -23,7 +23,10 @@ export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 LOGS=/tmp/fi
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR-/tmp/jmc_jax_cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}
 mkdir -p "$LOGS"
-L() { echo "$PY -m jax_moe_comm.launch -n $1 --oversubscribe --timeout $2 --"; }
+# ONE_RANK_PER_GPU=1 (a machine with a GPU per rank, e.g. nvidia-h100-x2): no MPS, rank r on
+# GPU r, so peers meet over NVLink, where an early overwrite by relaxed acks could show.
+OVERSUBSCRIBE=--oversubscribe; [ "${ONE_RANK_PER_GPU:-0}" = 1 ] && OVERSUBSCRIBE=
+L() { echo "$PY -m jax_moe_comm.launch -n $1 $OVERSUBSCRIBE --timeout $2 --"; }
 START=$(date +%s)
 BUDGET=${BUDGET:-400}  # seconds: a step that would start later is skipped (the call must end)
 step() {  # name, limit, command...
