@@ -273,6 +273,34 @@ def renorm(y):
     return (yf * jax.lax.rsqrt(jnp.mean(yf * yf, axis=-1, keepdims=True) + 1e-6)).astype(bf16)
 
 
+def rank_load(mesh, cfg: MoELayerConfig, world: int, skew_rows: int):
+    """jit of (router, x, n, skew vector) -> [world] rows each rank receives (every rank's
+    routing summed): the load a layer with input x gives the ranks (routed as the benchmark's
+    layer routes: the first skew_rows rows of each rank pushed toward experts 0..k-1), to tell
+    the busiest rank's rows from the mean (the loop's routing drifts when each layer routes on
+    the last one's output; docs/notes.md)."""
+    L = cfg.num_experts // world
+
+    def per_rank(router, x, n, v):
+        route_x = x
+        if skew_rows:
+            rows = jnp.arange(x.shape[0])[:, None] < skew_rows
+            route_x = x.astype(f32) + jnp.where(rows, v[None, :], 0)
+        idx, _ = moe_mod.route(router, route_x, cfg.experts_per_token)
+        live = (jnp.arange(x.shape[0]) < n.reshape(()))[:, None] & (idx >= 0)
+        dest = jax.nn.one_hot(jnp.where(live, idx // L, -1), world, dtype=jnp.int32)
+        return jax.lax.psum(dest.sum(axis=(0, 1)), "ep")
+
+    return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P("ep"), P("ep"), P()),
+                                 out_specs=P()))
+
+
+def load_ratio(rows) -> float | None:
+    """Busiest rank's rows over the mean (1.0: even); None without rows."""
+    rows = np.asarray(rows, np.float64)
+    return None if rows.sum() <= 0 else round(float(rows.max() / rows.mean()), 3)
+
+
 def identity_experts(a2a, params, out, *args, **kwargs):
     """moe.experts_forward without the GEMMs: expert_x cast to the combine dtype."""
     ex = out.expert_x
@@ -885,6 +913,17 @@ class Bench:
 
             t = time_loop(att, "loop", run, args)
         if t is not None:
+            # the ranks' load at the loop's first layer and at the input a next layer would get
+            load = rank_load(mesh, cfg, world, skew_rows)
+
+            def loads():
+                first = load(params["router"], x0, nt, sv)
+                last = first if first_input else load(params["router"], xs["last"], nt, sv)
+                return load_ratio(first), load_ratio(last)
+
+            got_load, _ = att.do("load", loads)
+            if got_load is not None:
+                row["load_first"], row["load_last"] = got_load
             row.update(loop_us=round(t["us"], 2), loop_avg_us=round(t["avg_us"], 2),
                        loop_slope_us=round(t["slope_us"], 2), loop_method=t["method"],
                        loop_n=t["n"], samples=t["samples"])
@@ -1072,7 +1111,7 @@ def markdown(meta, rows):
                    f" B/s {w.get('error', '')}")
     out += ["", "| config | tokens | layout | expert_gemm | cf | skew | loop µs | comm µs | "
             "weights µs | floor µs | ratio | ok | step µs | peak temp MiB | peak MiB | impl | "
-            "err | dropped | status |", "|" + "---|" * 19]
+            "err | dropped | load first -> last | status |", "|" + "---|" * 20]
     for r in rows:
         pb = r.get("peak_bytes") or {}
         status = r["status"] + (f": {r['error']}" if r["error"] else "") + \
@@ -1087,9 +1126,16 @@ def markdown(meta, rows):
             f"{fmt(r.get('ratio'), 2)} | {'' if r.get('ok') is None else r['ok']} | "
             f"{fmt(r.get('step_us'))} | {mib(pb.get('temp'))} | {mib(pb.get('peak'))} | "
             f"{r.get('impl', '')} | {r.get('err', '')} | {r.get('dropped_rows', '')} | "
-            f"{status.replace('|', '/')[:300]} |")
+            f"{fmt_load(r)} | {status.replace('|', '/')[:300]} |")
     out += ["", "## Goals", ""] + goals(rows, meta.get("tol", 5e-2))
     return "\n".join(out) + "\n"
+
+
+def fmt_load(r) -> str:
+    """The busiest rank's rows over the mean at the loop's first and last layer input."""
+    if r.get("load_first") is None:
+        return ""
+    return f"{r['load_first']:.2f} -> {r['load_last']:.2f}"
 
 
 def _goal_row(r) -> str:

@@ -201,6 +201,8 @@ def test_layer_smoke(tmp_path, fake_site, monkeypatch):
         assert all(isinstance(pb[k], int) for k in ("temp", "argument", "output", "alias"))
         assert pb["peak"] == pb["argument"] + pb["output"] + pb["temp"] - pb["alias"] > 0
         assert r["finite"] is True and r["correct"] is True and r["err"] <= 0.05, r
+        # the busiest rank's rows over the mean, at the loop's first and last layer input
+        assert 1.0 <= r["load_first"] < 8 and 1.0 <= r["load_last"] < 8, r
     assert plain[0]["err"] == 0.0  # the reference itself
     # comm is timed again for every row; comm_first_us is its handle's first row's figure
     assert plain[1]["comm_first_us"] == plain[1]["comm_us"]
@@ -210,10 +212,15 @@ def test_layer_smoke(tmp_path, fake_site, monkeypatch):
     skew = rows[("packed", "tokamax", 1.25, 0.9, "layer")]
     fail = rows[("packed", "tokamax", 1.25, 0.9, "fail_check")]
     assert skew["status"] == "ok" and skew["dropped_rows"] > 0 and skew["finite"] is True
+    # the skew pushes every rank's 4 tokens (ceil(0.9 * 4)) toward experts 0..3, ranks 0 and 1
+    # of 8 (2 experts a rank): at most 4x the mean there
+    assert 3.0 <= skew["load_first"] <= 4.0 and skew["load_first"] > plain[2]["load_first"], \
+        (skew, plain[2])
     assert fail["fail_raised"] is True, fail
     assert not any(r["layout"] == "padded" and r["capacity_factor"] for r in run_["rows"])
     md = (out / "smoke.md").read_text()
     assert "| tiny | 4 | padded | einsum |" in md and "## Goals" in md
+    assert f"| {plain[0]['load_first']:.2f} -> {plain[0]['load_last']:.2f} |" in md
     if run_.get("png") == "smoke.png":
         assert (out / "smoke.png").stat().st_size > 1000
     # --replot redraws the report from the JSON alone (the GPU machine may lack matplotlib)
