@@ -274,11 +274,13 @@ def renorm(y):
 
 
 def rank_load(mesh, cfg: MoELayerConfig, world: int, skew_rows: int):
-    """jit of (router, x, n, skew vector) -> [world] rows each rank receives (every rank's
-    routing summed): the load a layer with input x gives the ranks (routed as the benchmark's
-    layer routes: the first skew_rows rows of each rank pushed toward experts 0..k-1), to tell
-    the busiest rank's rows from the mean (the loop's routing drifts when each layer routes on
-    the last one's output; docs/notes.md)."""
+    """(router, x, n, skew vector) -> [world] rows each rank receives: the load a layer with
+    input x gives the ranks (routed as the benchmark's layer routes: the first skew_rows rows
+    of each rank pushed toward experts 0..k-1), to tell the busiest rank's rows from the mean
+    (the loop's routing drifts when each layer routes on the last one's output;
+    docs/notes.md). Each rank counts its own tokens' rows on its device; the counts are summed
+    on the host (bootstrap's all-gather): an XLA psum would need NCCL, which refuses several
+    ranks on one GPU (the device machine's 8 ranks under MPS)."""
     L = cfg.num_experts // world
 
     def per_rank(router, x, n, v):
@@ -289,10 +291,16 @@ def rank_load(mesh, cfg: MoELayerConfig, world: int, skew_rows: int):
         idx, _ = moe_mod.route(router, route_x, cfg.experts_per_token)
         live = (jnp.arange(x.shape[0]) < n.reshape(()))[:, None] & (idx >= 0)
         dest = jax.nn.one_hot(jnp.where(live, idx // L, -1), world, dtype=jnp.int32)
-        return jax.lax.psum(dest.sum(axis=(0, 1)), "ep")
+        return dest.sum(axis=(0, 1))
 
-    return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P("ep"), P("ep"), P()),
-                                 out_specs=P()))
+    local = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P("ep"), P("ep"), P()),
+                                  out_specs=P("ep")))
+
+    def load(router, x, n, v):
+        mine = [np.asarray(s.data).tolist() for s in local(router, x, n, v).addressable_shards]
+        return np.sum([np.sum(m, axis=0) for m in SYNC.gather("load", mine)], axis=0)
+
+    return load
 
 
 def load_ratio(rows) -> float | None:
