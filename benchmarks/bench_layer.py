@@ -296,15 +296,24 @@ def rank_load(mesh, cfg: MoELayerConfig, world: int, skew_rows: int):
     local = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P("ep"), P("ep"), P()),
                                   out_specs=P("ep")))
 
-    def load(router, x, n, v):
-        mine = [np.asarray(s.data).tolist() for s in local(router, x, n, v).addressable_shards]
-        return np.sum([np.sum(m, axis=0) for m in SYNC.gather("load", mine)], axis=0)
+    def load(router, x, n, v):  # None if any rank failed (a figure, never the row's failure)
+        try:
+            mine = [np.asarray(s.data).tolist() for s in local(router, x, n, v).addressable_shards]
+        except Exception as e:  # noqa: BLE001 -- every rank still reaches the gather below
+            print(f"[rank {RANK}] load: {short(e)}", flush=True)
+            mine = None
+        everyone = SYNC.gather("load", mine)
+        if any(m is None for m in everyone):
+            return None
+        return np.sum([np.sum(m, axis=0) for m in everyone], axis=0)
 
     return load
 
 
 def load_ratio(rows) -> float | None:
     """Busiest rank's rows over the mean (1.0: even); None without rows."""
+    if rows is None:
+        return None
     rows = np.asarray(rows, np.float64)
     return None if rows.sum() <= 0 else round(float(rows.max() / rows.mean()), 3)
 
@@ -929,9 +938,7 @@ class Bench:
                 last = first if first_input else load(params["router"], xs["last"], nt, sv)
                 return load_ratio(first), load_ratio(last)
 
-            got_load, _ = att.do("load", loads)
-            if got_load is not None:
-                row["load_first"], row["load_last"] = got_load
+            row["load_first"], row["load_last"] = loads()
             row.update(loop_us=round(t["us"], 2), loop_avg_us=round(t["avg_us"], 2),
                        loop_slope_us=round(t["slope_us"], 2), loop_method=t["method"],
                        loop_n=t["n"], samples=t["samples"])
@@ -1141,9 +1148,10 @@ def markdown(meta, rows):
 
 def fmt_load(r) -> str:
     """The busiest rank's rows over the mean at the loop's first and last layer input."""
-    if r.get("load_first") is None:
+    first, last = r.get("load_first"), r.get("load_last")
+    if first is None and last is None:
         return ""
-    return f"{r['load_first']:.2f} -> {r['load_last']:.2f}"
+    return " -> ".join("?" if v is None else f"{v:.2f}" for v in (first, last))
 
 
 def _goal_row(r) -> str:
