@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import inspect
 import json
 import math
@@ -273,22 +274,29 @@ def renorm(y):
     return (yf * jax.lax.rsqrt(jnp.mean(yf * yf, axis=-1, keepdims=True) + 1e-6)).astype(bf16)
 
 
-def rank_load(mesh, cfg: MoELayerConfig, world: int, skew_rows: int):
+def skewed_route_input(x, v, skew_rows: int):
+    """What the benchmark's layer routes on: x, its first skew_rows rows pushed toward experts
+    0..k-1 by the skew vector v (skew_vector); None (x itself) without skew."""
+    if not skew_rows:
+        return None
+    rows = jnp.arange(x.shape[0])[:, None] < skew_rows
+    return x.astype(f32) + jnp.where(rows, v[None, :], 0)
+
+
+@functools.lru_cache(maxsize=None)  # one compile per layer shape and skew, not one per row
+def rank_load(mesh, num_experts: int, k: int, skew_rows: int):
     """(router, x, n, skew vector) -> [world] rows each rank receives: the load a layer with
-    input x gives the ranks (routed as the benchmark's layer routes: the first skew_rows rows
-    of each rank pushed toward experts 0..k-1), to tell the busiest rank's rows from the mean
-    (the loop's routing drifts when each layer routes on the last one's output;
-    docs/notes.md). Each rank counts its own tokens' rows on its device; the counts are summed
-    on the host (bootstrap's all-gather): an XLA psum would need NCCL, which refuses several
-    ranks on one GPU (the device machine's 8 ranks under MPS)."""
-    L = cfg.num_experts // world
+    input x gives the ranks (routed as the benchmark's layer routes), to tell the busiest
+    rank's rows from the mean (the loop's routing drifts when each layer routes on the last
+    one's output; docs/notes.md). Each rank counts its own tokens' rows on its device; the
+    counts are summed on the host (bootstrap's all-gather): an XLA psum would need NCCL, which
+    refuses several ranks on one GPU (the device machine's 8 ranks under MPS)."""
+    world = mesh.devices.size
+    L = num_experts // world
 
     def per_rank(router, x, n, v):
-        route_x = x
-        if skew_rows:
-            rows = jnp.arange(x.shape[0])[:, None] < skew_rows
-            route_x = x.astype(f32) + jnp.where(rows, v[None, :], 0)
-        idx, _ = moe_mod.route(router, route_x, cfg.experts_per_token)
+        route_x = skewed_route_input(x, v, skew_rows)
+        idx, _ = moe_mod.route(router, x if route_x is None else route_x, k)
         live = (jnp.arange(x.shape[0]) < n.reshape(()))[:, None] & (idx >= 0)
         dest = jax.nn.one_hot(jnp.where(live, idx // L, -1), world, dtype=jnp.int32)
         return dest.sum(axis=(0, 1))
@@ -839,10 +847,7 @@ class Bench:
                         np.zeros(H), np.float32)
 
         def layer(p, x, n, v, comm_only=False):
-            route_x = None
-            if skew_rows:
-                rows = jnp.arange(T)[:, None] < skew_rows
-                route_x = x.astype(f32) + jnp.where(rows, v[None, :], 0)
+            route_x = skewed_route_input(x, v, skew_rows)
             if comm_only:
                 with mock.patch.object(moe_mod, "experts_forward", identity_experts):
                     y = moe_forward(a2a, cfg, p, x, n.reshape(()), route_x=route_x)
@@ -931,7 +936,7 @@ class Bench:
             t = time_loop(att, "loop", run, args)
         if t is not None:
             # the ranks' load at the loop's first layer and at the input a next layer would get
-            load = rank_load(mesh, cfg, world, skew_rows)
+            load = rank_load(mesh, cfg.num_experts, cfg.experts_per_token, skew_rows)
 
             def loads():
                 first = load(params["router"], x0, nt, sv)
