@@ -203,16 +203,17 @@ class Case:
 def option_fn(option, case=None):
     """(layout, mlp(x, counts, w_in, w_out) -> y bf16) of a bench option; the tokamax options'
     weight-gradient window as the MoE layer sizes it (twice the case's mean rows per expert)."""
-    window = None if case is None else G.grad_window_for(case.T, case.L,
-                                                         mean_rows=-(-case.live // case.L))
+    mean = None if case is None else -(-case.live // case.L)
+    window = None if case is None else G.grad_window_for(case.T, case.L, mean_rows=mean)
     out = dict(out_dtype=bf16)
+    tile = dict(mean_rows=mean)  # tokamax's tile as the layer picks it (tokamax_spec_for_rows)
     if option == "einsum":
         return "padded", lambda x, c, wi, wo: G.einsum_mlp(x, wi, wo, **out)
     if option in ("ragged_dot", "ragged_dot_triton"):
         return "packed", lambda x, c, wi, wo: G.ragged_dot_mlp(x, c, wi, wo, **out)
     if option == "tokamax":
         return "packed", lambda x, c, wi, wo: G.tokamax_mlp(x, c, wi, wo, grad_window=window,
-                                                            **out)
+                                                            **out, **tile)
     if option == "tokamax_kernelwgrad":  # our VJP, tokamax's ragged-contracting kernel for d w
         return "packed", lambda x, c, wi, wo: G.tokamax_mlp(x, c, wi, wo, wgrad="kernel", **out)
     if option == "tokamax_alignedwgrad":  # the same on groups aligned to its 128-row k-blocks
@@ -228,11 +229,12 @@ def option_fn(option, case=None):
         sizes = () if case is None else (1.25 * case.live, 2.0 * case.live)
         if option == "bucketed_tokamax":
             return "packed", lambda x, c, wi, wo: G.expert_mlp(
-                x, c, wi, wo, "tokamax", grad_window=window, row_buckets=sizes, **out)
+                x, c, wi, wo, "tokamax", grad_window=window, row_buckets=sizes, **out, **tile)
 
         def sliced(x, c, wi, wo):
             b = G.bucket_rows(x.shape[0], sizes)[0]
-            y = G.tokamax_mlp(x[:b], c, wi, wo, grad_window=window and min(window, b), **out)
+            y = G.tokamax_mlp(x[:b], c, wi, wo, grad_window=window and min(window, b), **out,
+                              **tile)
             return jnp.pad(y, ((0, x.shape[0] - b), (0, 0)))
         return "packed", sliced
     if option.startswith("tokamax_"):

@@ -779,10 +779,12 @@ class Bench:
         return dict(config=case.config, num_experts=E, experts_per_token=k, hidden=H, ffn=F,
                     tokens_per_rank=case.tokens, phase=case.phase, layout=case.layout,
                     expert_gemm=case.gemm,
-                    # the kernel spec this row's tokamax ran with (its own, or the shell's)
+                    # the kernel spec this row's tokamax ran with (its own, the shell's, or
+                    # the layer's tile for its mean rows per expert; None: tokamax's choice)
                     tokamax_impl=case.tokamax_impl or (
-                        os.environ.get(G.TOKAMAX_IMPL_ENV) if resolved in G.NEEDS_TOKAMAX
-                        else None),
+                        (os.environ.get(G.TOKAMAX_IMPL_ENV) or G.tokamax_spec_for_rows(
+                            -(-self.world * case.tokens * k // E)))
+                        if resolved in G.NEEDS_TOKAMAX else None),
                     expert_gemm_resolved=resolved,
                     # the buckets the layer ran with ("auto" meaning the einsum takes none)
                     gemm_row_buckets=(list(case.row_buckets) or None) if resolved != "einsum"

@@ -18,9 +18,11 @@ inputs, f32 accumulation, the hidden activation rounded to bf16). The MoE layer'
   epilogue where tokamax can. Output rows past sum(group_sizes) are not written (undefined);
   combine never reads them. Its backward is grouped_vjp's (tokamax's kernels for d x, XLA's
   batched GEMM over a window of rows per expert for the weights). Which of tokamax's kernels:
-  its own choice, unless tokamax_mlp(implementation=) or JMC_TOKAMAX_IMPL names one: tokamax's
-  names, or (for measuring) its Mosaic GPU kernel with a config of ours, "mosaic:<spec>", e.g.
-  "mosaic:m128s4p1" (TOKAMAX_SPEC_GRAMMAR; TOKAMAX_PERSISTENT is the named spec "p1").
+  tokamax_mlp(implementation=) or JMC_TOKAMAX_IMPL where either names one (tokamax's names,
+  or its Mosaic GPU kernel with a config of ours, "mosaic:<spec>", e.g. "mosaic:m128s4p1":
+  TOKAMAX_SPEC_GRAMMAR; TOKAMAX_PERSISTENT is the named spec "p1"); else, given the layer's
+  mean rows per expert, the tile measured fastest for them (TOKAMAX_TILE_BY_MEAN_ROWS); else
+  tokamax's own choice.
 - "masked": the padded layout with rows >= expert_num_tokens[e] skipped. Not a kernel of its
   own: the live rows are gathered into a packed view (api.pack_rows), run through tokamax's
   grouped GEMM (jax.lax.ragged_dot when tokamax is not installed) and scattered back
@@ -265,6 +267,31 @@ def parse_tokamax_spec(spec: str) -> dict:
 
 TOKAMAX_IMPL_ENV = "JMC_TOKAMAX_IMPL"
 
+# tokamax's tile by the layer's mean rows per local expert (MoEConfig.expected_rows_per_expert),
+# where nothing names an implementation: (most mean rows, kernel spec), the first that holds.
+# Measured 2026-12-06 on an H100, 8 ranks under MPS (16 SMs a rank), the layer step with
+# every looped layer routing as the first, runs A B then B A
+# (benchmarks/results/2026-12-06-c1a517c-h100-specs/):
+# - up to 32 mean rows (V2-Lite 16 tokens: 12; R1 16: 4, R1 128: 32): n128 (64 x 128 tiles),
+#   1.08-1.17x the floor, against 1.13-1.23x for tokamax's sm90 choice (m64n64) and
+#   1.39-1.47x for m128;
+# - 96 mean rows (V2-Lite 128 tokens): m128 (128 x 64 tiles: an expert's rows in one row tile
+#   instead of two), 1.38-1.40x, against 1.46-1.47x for n128 and 1.60x for tokamax's choice.
+# Past the last bound (prefill) tokamax keeps its own choice: not measured there.
+TOKAMAX_TILE_BY_MEAN_ROWS = ((64, "n128"), (128, "m128"))
+
+
+def tokamax_spec_for_rows(mean_rows: int | None) -> str | None:
+    """The implementation the layer gives tokamax for `mean_rows` rows per local expert:
+    "mosaic:<spec>" from TOKAMAX_TILE_BY_MEAN_ROWS, or None (tokamax's own choice; also for
+    mean_rows None)."""
+    if mean_rows is None:
+        return None
+    for most, spec in TOKAMAX_TILE_BY_MEAN_ROWS:
+        if mean_rows <= most:
+            return TOKAMAX_SPEC_PREFIX + spec
+    return None
+
 
 def _requested_implementation(name):
     """The implementation asked for: `name`, else the environment's JMC_TOKAMAX_IMPL, else
@@ -350,9 +377,12 @@ def grad_window_for(rows: int, num_local_experts: int, mean_rows: int | None = N
 
 
 def tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype=f32, implementation=None,
-                grad_window: int | None = None, wgrad: str = "windows"):
+                grad_window: int | None = None, wgrad: str = "windows",
+                mean_rows: int | None = None):
     """"tokamax": packed x [T, H] -> [T, H] through tokamax's grouped GEMM; rows past
-    sum(group_sizes) are undefined. implementation: tokamax's (None: its own choice).
+    sum(group_sizes) are undefined. implementation: tokamax's; None: JMC_TOKAMAX_IMPL if set,
+    else the tile for mean_rows, the expected rows per local expert (tokamax_spec_for_rows;
+    None: tokamax's own choice).
     Differentiable through grouped_vjp (not tokamax's own VJP, whose weight gradients were
     wrong on the H200): grad_window rows per expert in the weight gradients' batched GEMM
     (default grad_window_for), wgrad: grouped_vjp.WGRAD."""
@@ -365,17 +395,19 @@ def tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype=f32, implementation=None,
     x, w_in, w_out = (_vary_like(v, x, w_in, w_out) for v in (x, w_in, w_out))
     # The environment's choice resolved here, not inside the cached builders below: they would
     # keep the first value they saw (a later JMC_TOKAMAX_IMPL would not reach a new trace).
-    implementation = _requested_implementation(implementation)
+    implementation = (_requested_implementation(implementation)
+                      or tokamax_spec_for_rows(mean_rows))
     primal = _tokamax_primal(implementation)
     return grouped_vjp.grouped_mlp(x, group_sizes.astype(jnp.int32), w_in, w_out,
                                    jnp.dtype(out_dtype), _tokamax_dot(implementation), primal,
                                    int(window), wgrad)
 
 
-def _grouped_mlp(x, group_sizes, w_in, w_out, out_dtype, grad_window=None):
+def _grouped_mlp(x, group_sizes, w_in, w_out, out_dtype, grad_window=None, mean_rows=None):
     """The grouped GEMM under "masked": tokamax's when it imports, else XLA's ragged_dot."""
     if tokamax_problem() is None:
-        return tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype, grad_window=grad_window)
+        return tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype, grad_window=grad_window,
+                           mean_rows=mean_rows)
     return ragged_dot_mlp(x, group_sizes, w_in, w_out, out_dtype)
 
 
@@ -385,11 +417,11 @@ def masked_inner() -> str:
 
 
 def masked_mlp(x, counts, w_in, w_out, out_dtype=f32, total_rows: int | None = None,
-               grad_window: int | None = None):
+               grad_window: int | None = None, mean_rows: int | None = None):
     """"masked": padded x [L, R, H] -> [L, R, H], only rows r < counts[e] computed (zero past
     them): gathered into a packed view of total_rows rows (default L*R; pass the most that can
     be live, MoEConfig.max_recv_total), one grouped GEMM, scattered back."""
-    fn = functools.partial(_grouped_mlp, grad_window=grad_window)
+    fn = functools.partial(_grouped_mlp, grad_window=grad_window, mean_rows=mean_rows)
     return _via_packed(fn, x, counts, w_in, w_out, out_dtype, total_rows)
 
 
@@ -453,7 +485,8 @@ def bucketed_mlp(fn, x, group_sizes, w_in, w_out, out_dtype, buckets):
 # -- the layer's entry point -----------------------------------------------------------------
 def expert_mlp(x, counts, w_in, w_out, option: str = "auto", *, out_dtype=f32,
                rows_per_expert: int | None = None, total_rows: int | None = None,
-               grad_window: int | None = None, row_buckets=None):
+               grad_window: int | None = None, row_buckets=None,
+               mean_rows: int | None = None):
     """This rank's experts on dispatch's rows, in x's layout, through `option` (OPTIONS).
 
     x: padded [L, P, H] (P rows per expert: the handle's expert_capacity; row r of expert e
@@ -467,7 +500,9 @@ def expert_mlp(x, counts, w_in, w_out, option: str = "auto", *, out_dtype=f32,
     row_buckets: packed x only, with an option that runs on packed rows ("tokamax",
     "ragged_dot", "masked"): static row counts (e.g. MoEConfig.recv_rows_for(1.25)) to run the
     GEMMs on the smallest that holds the live rows (bucketed_mlp); None or () runs all T rows.
-    "auto" where it means the padded einsum (CPU) runs without them.
+    "auto" where it means the padded einsum (CPU) runs without them. mean_rows: the expected
+    rows per local expert (MoEConfig.expected_rows_per_expert), which picks tokamax's tile
+    (tokamax_spec_for_rows) unless an implementation is named; None: tokamax's own choice.
     """
     requested = option
     option = resolve(option, layout="padded" if x.ndim == 3 else "packed")
@@ -483,7 +518,8 @@ def expert_mlp(x, counts, w_in, w_out, option: str = "auto", *, out_dtype=f32,
 
         def on_rows(xb, gs, wi, wo, od):  # the option on a bucket's rows (window <= rows)
             window = min(grad_window, xb.shape[0]) if grad_window else None
-            return expert_mlp(xb, gs, wi, wo, option, out_dtype=od, grad_window=window)
+            return expert_mlp(xb, gs, wi, wo, option, out_dtype=od, grad_window=window,
+                              mean_rows=mean_rows)
 
         return bucketed_mlp(on_rows, x, counts, w_in, w_out, out_dtype, buckets)
     packed_fn = _grouped_mlp if option == "masked" else _PACKED_FNS.get(option)
@@ -491,14 +527,16 @@ def expert_mlp(x, counts, w_in, w_out, option: str = "auto", *, out_dtype=f32,
         if option == "einsum":
             return einsum_mlp(x, w_in, w_out, out_dtype)
         if option in ("masked", "tokamax"):  # the window reaches the backward
-            packed_fn = functools.partial(packed_fn, grad_window=grad_window)
+            packed_fn = functools.partial(packed_fn, grad_window=grad_window,
+                                          mean_rows=mean_rows)
         return _via_packed(packed_fn, x, counts, w_in, w_out, out_dtype, total_rows)
     if option == "einsum":  # packed rows through the padded einsum, and back
         padded = unpack_rows(x, counts, rows_per_expert or x.shape[0])
         return pack_rows(einsum_mlp(padded, w_in, w_out, out_dtype), counts, x.shape[0])
-    if option == "tokamax":
-        return tokamax_mlp(x, counts, w_in, w_out, out_dtype, grad_window=grad_window)
-    return packed_fn(x, counts, w_in, w_out, out_dtype)  # "masked" on packed rows: no gather
+    if option in ("masked", "tokamax"):  # "masked" on packed rows: no gather
+        return packed_fn(x, counts, w_in, w_out, out_dtype, grad_window=grad_window,
+                         mean_rows=mean_rows)
+    return packed_fn(x, counts, w_in, w_out, out_dtype)
 
 
 _PACKED_FNS = {"ragged_dot": ragged_dot_mlp, "tokamax": tokamax_mlp}

@@ -155,7 +155,8 @@ def experts_forward(a2a: AllToAll, params, out, expert_gemm: str = "auto",
                            grad_window=gemm.grad_window_for(
                                rows_per_expert, cfg.num_local_experts,
                                mean_rows=cfg.expected_rows_per_expert),
-                           row_buckets=tuple(cfg.recv_rows_for(f) for f in row_buckets))
+                           row_buckets=tuple(cfg.recv_rows_for(f) for f in row_buckets),
+                           mean_rows=cfg.expected_rows_per_expert)
 
 
 def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens, drop=None,

@@ -323,6 +323,52 @@ def test_a_spec_the_kernel_refuses_falls_back_and_computes(name):
                                np.asarray(got[: live.sum()], np.float32), rtol=2e-2, atol=2e-2)
 
 
+# -- tokamax's tile by the mean rows per expert (TOKAMAX_TILE_BY_MEAN_ROWS) ------------------
+def test_tile_rule_by_mean_rows():
+    """n128 up to 64 mean rows per expert, m128 up to 128, tokamax's own choice past that
+    (prefill: not measured) and where the caller gives no mean."""
+    rule = expert_gemm.tokamax_spec_for_rows
+    assert rule(None) is None
+    assert [rule(m) for m in (0, 1, 4, 32, 64)] == ["mosaic:n128"] * 5
+    assert [rule(m) for m in (65, 96, 128)] == ["mosaic:m128"] * 3
+    assert rule(129) is None and rule(1024) is None
+    for _, spec in expert_gemm.TOKAMAX_TILE_BY_MEAN_ROWS:
+        assert expert_gemm.parse_tokamax_spec(spec) != SM90  # a real change of tile
+
+
+def spy_implementations(monkeypatch):
+    """The implementations tokamax_mlp's builders are asked for (each then runs tokamax's own
+    choice: a spec's Mosaic GPU kernel has no CPU path to test here)."""
+    seen = []
+    real_primal, real_dot = expert_gemm._tokamax_primal, expert_gemm._tokamax_dot
+    monkeypatch.setattr(expert_gemm, "_tokamax_primal",
+                        lambda impl=None: seen.append(impl) or real_primal(None))
+    monkeypatch.setattr(expert_gemm, "_tokamax_dot",
+                        lambda impl=None: seen.append(impl) or real_dot(None))
+    return seen
+
+
+@needs_tokamax
+@pytest.mark.parametrize("option,layout,buckets", [
+    ("tokamax", "packed", None), ("tokamax", "packed", (6,)), ("masked", "packed", None),
+    ("tokamax", "padded", None), ("masked", "padded", None)])
+def test_mean_rows_pick_the_tile_on_every_path(monkeypatch, option, layout, buckets):
+    monkeypatch.delenv("JMC_TOKAMAX_IMPL", raising=False)
+    seen = spy_implementations(monkeypatch)
+    x, w_in, w_out, _, live = padded_data()
+    xin = to_packed(x, live) if layout == "packed" else x
+    for mean, want in ((96, "mosaic:m128"), (4, "mosaic:n128"), (None, None)):
+        seen.clear()
+        expert_gemm.expert_mlp(xin, jnp.asarray(COUNTS), w_in, w_out, option,
+                               row_buckets=buckets, mean_rows=mean)
+        assert seen and set(seen) == {want}, (mean, seen)
+    monkeypatch.setenv("JMC_TOKAMAX_IMPL", "xla")  # a named implementation wins over the rule
+    seen.clear()
+    expert_gemm.expert_mlp(xin, jnp.asarray(COUNTS), w_in, w_out, option, row_buckets=buckets,
+                           mean_rows=96)
+    assert seen and set(seen) == {"xla"}, seen
+
+
 # -- through the MoE layer: jax.grad through dispatch, the experts and combine ----------------
 LAYER = dict(num_experts=8, experts_per_token=3, hidden=64, ffn=96, max_num_tokens=6)
 WORLD = 2
@@ -356,6 +402,16 @@ def test_layer_gradients_match_the_einsum_option(option, layout, einsum_layer):
         for name, g in grads[rank].items():
             close(f"rank {rank} d {name}", g, want[rank][name])
         close(f"rank {rank} d x", dx[rank], want_dx[rank])
+
+
+@needs_tokamax
+def test_the_layer_gives_tokamax_the_tile_for_its_expected_rows(monkeypatch):
+    """moe.experts_forward passes MoEConfig.expected_rows_per_expert, forward and backward."""
+    monkeypatch.delenv("JMC_TOKAMAX_IMPL", raising=False)
+    seen = spy_implementations(monkeypatch)
+    layer_grads("tokamax", "packed")
+    mean = MoELayerConfig(**LAYER).comm_config(WORLD).expected_rows_per_expert
+    assert set(seen) == {expert_gemm.tokamax_spec_for_rows(mean)} == {"mosaic:n128"}, seen
 
 
 def test_vary_like_types_an_invariant_kernel_output_as_its_inputs():
