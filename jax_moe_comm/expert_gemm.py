@@ -271,13 +271,16 @@ TOKAMAX_IMPL_ENV = "JMC_TOKAMAX_IMPL"
 # where nothing names an implementation: (most mean rows, kernel spec), the first that holds.
 # Measured 2026-12-06 on an H100, 8 ranks under MPS (16 SMs a rank), the layer step with
 # every looped layer routing as the first, runs A B then B A
-# (benchmarks/results/2026-12-06-c1a517c-h100-specs/):
+# (benchmarks/results/2026-12-06-aebd80b-h100-tile/):
 # - up to 32 mean rows (V2-Lite 16 tokens: 12; R1 16: 4, R1 128: 32): n128 (64 x 128 tiles),
 #   1.08-1.17x the floor, against 1.13-1.23x for tokamax's sm90 choice (m64n64) and
 #   1.39-1.47x for m128;
 # - 96 mean rows (V2-Lite 128 tokens): m128 (128 x 64 tiles: an expert's rows in one row tile
-#   instead of two), 1.38-1.40x, against 1.46-1.47x for n128 and 1.60x for tokamax's choice.
-# Past the last bound (prefill) tokamax keeps its own choice: not measured there.
+#   instead of two), 1.37-1.42x on two machines, against 1.46-1.51x for n128 and 1.60-1.61x
+#   for tokamax's choice.
+# The bound 64 lies between the measured 32 and 96 (unmeasured between). Past 128 (prefill)
+# tokamax keeps its own choice: one run at 512 tokens (R1, 128 mean rows: m128 ties tokamax's
+# choice; V2-Lite, 384: 128-wide tiles ~10 % faster) is not enough to extend the rule.
 TOKAMAX_TILE_BY_MEAN_ROWS = ((64, "n128"), (128, "m128"))
 
 
