@@ -215,10 +215,11 @@ def option_fn(option, case=None):
         return "packed", lambda x, c, wi, wo: G.tokamax_mlp(x, c, wi, wo, grad_window=window,
                                                             **out, **tile)
     if option == "tokamax_kernelwgrad":  # our VJP, tokamax's ragged-contracting kernel for d w
-        return "packed", lambda x, c, wi, wo: G.tokamax_mlp(x, c, wi, wo, wgrad="kernel", **out)
+        return "packed", lambda x, c, wi, wo: G.tokamax_mlp(x, c, wi, wo, wgrad="kernel", **out,
+                                                            **tile)
     if option == "tokamax_alignedwgrad":  # the same on groups aligned to its 128-row k-blocks
         return "packed", lambda x, c, wi, wo: G.tokamax_mlp(x, c, wi, wo, wgrad="kernel_aligned",
-                                                            **out)
+                                                            **out, **tile)
     if option == "tokamax_ownvjp":  # tokamax's own VJP (the layer's before grouped_vjp)
         return "packed", lambda x, c, wi, wo: G._tokamax_forward(x, c.astype(jnp.int32), wi, wo,
                                                                  bf16)
@@ -245,7 +246,7 @@ def option_fn(option, case=None):
                                                             grad_window=window, **out)
     if option == "masked":
         return "padded", lambda x, c, wi, wo: G.masked_mlp(x, c, wi, wo, grad_window=window,
-                                                           **out)
+                                                           **out, **tile)
     raise ValueError(f"unknown option {option!r}; expected one of {OPTIONS}")
 
 

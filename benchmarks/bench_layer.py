@@ -414,7 +414,7 @@ def check_gemm(gemm: str) -> str:
     return option
 
 
-def spec_probe(case: Case, world: int) -> dict:
+def spec_probe(case: Case, world: int, implementation: str) -> dict:
     """For a tokamax@<spec> row, per forward GEMM of the layer (packed rows at the case's
     capacity): "spec" where tokamax's Mosaic GPU kernel takes the spec, else why not (tokamax
     then falls back to its own config, and the row measures that). Traced only."""
@@ -422,7 +422,7 @@ def spec_probe(case: Case, world: int) -> dict:
     out = {}
     try:
         tk = G._require_tokamax()
-        first = G._tokamax_implementation(case.tokamax_impl)[0]
+        first = G._tokamax_implementation(implementation)[0]
     except Exception as e:  # noqa: BLE001 -- recorded in the row, the same on every rank
         return {"error": short(e)}
     counts = jax.ShapeDtypeStruct((d["L"],), jnp.int32)
@@ -773,6 +773,12 @@ class Bench:
         return h
 
     # -- one row ------------------------------------------------------------------------------
+    def mean_rows(self, case: Case) -> int:  # the layer's MoEConfig.expected_rows_per_expert
+        E, k, H, F = LAYERS[case.config]
+        cfg = MoELayerConfig(num_experts=E, experts_per_token=k, hidden=H, ffn=F,
+                             max_num_tokens=case.tokens)
+        return cfg.comm_config(self.world).expected_rows_per_expert
+
     def row_base(self, case: Case) -> dict:
         E, k, H, F = LAYERS[case.config]
         resolved = G.resolve(case.option, layout=case.layout)
@@ -782,9 +788,10 @@ class Bench:
                     # the kernel spec this row's tokamax ran with (its own, the shell's, or
                     # the layer's tile for its mean rows per expert; None: tokamax's choice)
                     tokamax_impl=case.tokamax_impl or (
-                        (os.environ.get(G.TOKAMAX_IMPL_ENV) or G.tokamax_spec_for_rows(
-                            -(-self.world * case.tokens * k // E)))
-                        if resolved in G.NEEDS_TOKAMAX else None),
+                        (os.environ.get(G.TOKAMAX_IMPL_ENV)
+                         or G.layer_tokamax_spec(self.mean_rows(case)))
+                        if resolved in G.NEEDS_TOKAMAX and G.tokamax_problem() is None
+                        else None),
                     expert_gemm_resolved=resolved,
                     # the buckets the layer ran with ("auto" meaning the einsum takes none)
                     gemm_row_buckets=(list(case.row_buckets) or None) if resolved != "einsum"
@@ -797,8 +804,8 @@ class Bench:
     def run_case(self, case: Case) -> dict:
         row = self.row_base(case)
         world, args = self.world, self.args
-        if case.tokamax_impl:  # did tokamax's kernel take the spec, or fall back?
-            row["tokamax_spec_probe"] = spec_probe(case, world)
+        if G.tokamax_spec(row["tokamax_impl"]):  # did tokamax's kernel take the spec?
+            row["tokamax_spec_probe"] = spec_probe(case, world, row["tokamax_impl"])
         if case.kind == "fail_check" and not supported(case):
             row.update(status="skipped", error=NO_CAPACITY)
             return row

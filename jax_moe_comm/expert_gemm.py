@@ -21,8 +21,8 @@ inputs, f32 accumulation, the hidden activation rounded to bf16). The MoE layer'
   tokamax_mlp(implementation=) or JMC_TOKAMAX_IMPL where either names one (tokamax's names,
   or its Mosaic GPU kernel with a config of ours, "mosaic:<spec>", e.g. "mosaic:m128s4p1":
   TOKAMAX_SPEC_GRAMMAR; TOKAMAX_PERSISTENT is the named spec "p1"); else, given the layer's
-  mean rows per expert, the tile measured fastest for them (TOKAMAX_TILE_BY_MEAN_ROWS); else
-  tokamax's own choice.
+  mean rows per expert, the tile measured fastest for them (TOKAMAX_TILE_BY_MEAN_ROWS, on sm90
+  GPUs only); else tokamax's own choice (also JMC_TOKAMAX_IMPL=default).
 - "masked": the padded layout with rows >= expert_num_tokens[e] skipped. Not a kernel of its
   own: the live rows are gathered into a packed view (api.pack_rows), run through tokamax's
   grouped GEMM (jax.lax.ragged_dot when tokamax is not installed) and scattered back
@@ -276,12 +276,18 @@ TOKAMAX_IMPL_ENV = "JMC_TOKAMAX_IMPL"
 #   1.08-1.17x the floor, against 1.13-1.23x for tokamax's sm90 choice (m64n64) and
 #   1.39-1.47x for m128;
 # - 96 mean rows (V2-Lite 128 tokens): m128 (128 x 64 tiles: an expert's rows in one row tile
-#   instead of two), 1.37-1.42x on two machines, against 1.46-1.51x for n128 and 1.60-1.61x
-#   for tokamax's choice.
+#   instead of two), 1.37-1.42x on two machines with steady samples, against 1.46-1.51x for
+#   n128 and 1.60-1.61x for tokamax's choice. On two other machines, whose m128 samples
+#   scattered (t(N)/N 1.3-1.9x the slope), m128 lost by 3-12 % (an open question, notes).
 # The bound 64 lies between the measured 32 and 96 (unmeasured between). Past 128 (prefill)
-# tokamax keeps its own choice: one run at 512 tokens (R1, 128 mean rows: m128 ties tokamax's
-# choice; V2-Lite, 384: 128-wide tiles ~10 % faster) is not enough to extend the rule.
+# tokamax keeps its own choice: one run at 512 tokens (V2-Lite, 384 mean rows: 128-wide tiles
+# ~10 % faster) is not enough to extend the rule.
 TOKAMAX_TILE_BY_MEAN_ROWS = ((64, "n128"), (128, "m128"))
+# The rule applies on the architecture it was measured on (sm90: H100; the H200 is sm90 too,
+# unconfirmed there); elsewhere tokamax keeps its own choice.
+TOKAMAX_TILE_ARCH = "9."
+# JMC_TOKAMAX_IMPL (or implementation=) value for tokamax's own choice, the rule off.
+TOKAMAX_OWN_CHOICE = "default"
 
 
 def tokamax_spec_for_rows(mean_rows: int | None) -> str | None:
@@ -296,6 +302,24 @@ def tokamax_spec_for_rows(mean_rows: int | None) -> str | None:
     return None
 
 
+@functools.cache
+def tile_rule_applies() -> bool:
+    """Whether this process's devices are what TOKAMAX_TILE_BY_MEAN_ROWS was measured on: a
+    GPU of compute capability TOKAMAX_TILE_ARCH*."""
+    try:
+        device = jax.local_devices()[0]
+    except RuntimeError:
+        return False
+    return device.platform == "gpu" and str(
+        getattr(device, "compute_capability", "")).startswith(TOKAMAX_TILE_ARCH)
+
+
+def layer_tokamax_spec(mean_rows: int | None) -> str | None:
+    """The implementation the layer gives tokamax when none is named: tokamax_spec_for_rows on
+    the measured architecture (tile_rule_applies), else None (tokamax's own choice)."""
+    return tokamax_spec_for_rows(mean_rows) if tile_rule_applies() else None
+
+
 def _requested_implementation(name):
     """The implementation asked for: `name`, else the environment's JMC_TOKAMAX_IMPL, else
     None (tokamax's own choice)."""
@@ -308,6 +332,8 @@ def _tokamax_implementation(name):
     one, e.g. TOKAMAX_PERSISTENT): tokamax's Mosaic GPU kernel with that Config first, then
     "mosaic" (tokamax's own config) and "xla" where it refuses a problem (NotImplementedError)."""
     name = _requested_implementation(name)
+    if name == TOKAMAX_OWN_CHOICE:
+        return None
     from_env = name is not None and name == os.environ.get(TOKAMAX_IMPL_ENV)
     spec = tokamax_spec(name)
     if spec is None:
@@ -320,8 +346,12 @@ def _tokamax_implementation(name):
     from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as mgpu  # private: 0.0.17's
     from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu_common as common
 
+    from tokamax._src.ops.ragged_dot import api
+
     fields["grid_minor_dim"] = common.MatmulDimension[fields["grid_minor_dim"].upper()]
-    return (mgpu.PallasMosaicGpuRaggedDot(config=common.Config(**fields)), "mosaic", "xla")
+    # then tokamax's own order (triton where its build has it), as with no implementation named
+    fallbacks = ("mosaic",) + (("triton",) if "triton" in api.IMPLEMENTATIONS else ()) + ("xla",)
+    return (mgpu.PallasMosaicGpuRaggedDot(config=common.Config(**fields)),) + fallbacks
 
 
 @functools.cache
@@ -383,9 +413,9 @@ def tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype=f32, implementation=None,
                 grad_window: int | None = None, wgrad: str = "windows",
                 mean_rows: int | None = None):
     """"tokamax": packed x [T, H] -> [T, H] through tokamax's grouped GEMM; rows past
-    sum(group_sizes) are undefined. implementation: tokamax's; None: JMC_TOKAMAX_IMPL if set,
-    else the tile for mean_rows, the expected rows per local expert (tokamax_spec_for_rows;
-    None: tokamax's own choice).
+    sum(group_sizes) are undefined. implementation: tokamax's (TOKAMAX_OWN_CHOICE: its own
+    choice); None: JMC_TOKAMAX_IMPL if set, else the tile for mean_rows, the expected rows per
+    local expert (layer_tokamax_spec; None: tokamax's own choice).
     Differentiable through grouped_vjp (not tokamax's own VJP, whose weight gradients were
     wrong on the H200): grad_window rows per expert in the weight gradients' batched GEMM
     (default grad_window_for), wgrad: grouped_vjp.WGRAD."""
@@ -399,7 +429,7 @@ def tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype=f32, implementation=None,
     # The environment's choice resolved here, not inside the cached builders below: they would
     # keep the first value they saw (a later JMC_TOKAMAX_IMPL would not reach a new trace).
     implementation = (_requested_implementation(implementation)
-                      or tokamax_spec_for_rows(mean_rows))
+                      or layer_tokamax_spec(mean_rows))
     primal = _tokamax_primal(implementation)
     return grouped_vjp.grouped_mlp(x, group_sizes.astype(jnp.int32), w_in, w_out,
                                    jnp.dtype(out_dtype), _tokamax_dot(implementation), primal,

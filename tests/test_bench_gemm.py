@@ -102,7 +102,7 @@ def test_unfused_variant_runs_the_spec_kernel_first(monkeypatch):
         first, *rest = impl
         assert (first.config.block_m, first.config.num_stages, first.config.persistent) == (
             128, 4, True)
-        assert rest == ["mosaic", "xla"]
+        assert rest[0] == "mosaic" and rest[-1] == "xla"  # then tokamax's own order
 
 
 @needs_tokamax

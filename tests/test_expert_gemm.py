@@ -298,7 +298,9 @@ def test_spec_implementation_is_the_mosaic_kernel_with_that_config_then_fallback
     first, *rest = expert_gemm._tokamax_implementation(name)
     assert type(first).__name__ == "PallasMosaicGpuRaggedDot"
     assert first.config == _config(**want)
-    assert rest == ["mosaic", "xla"]
+    from tokamax._src.ops.ragged_dot import api
+    # then tokamax's own order: triton where this tokamax has it (as with nothing named)
+    assert rest == ["mosaic"] + (["triton"] if "triton" in api.IMPLEMENTATIONS else []) + ["xla"]
 
 
 @needs_tokamax
@@ -334,11 +336,16 @@ def test_tile_rule_by_mean_rows():
     assert rule(129) is None and rule(1024) is None
     for _, spec in expert_gemm.TOKAMAX_TILE_BY_MEAN_ROWS:
         assert expert_gemm.parse_tokamax_spec(spec) != SM90  # a real change of tile
+    # measured on sm90 GPUs only: elsewhere (here, CPU) the layer leaves tokamax its choice
+    assert not expert_gemm.tile_rule_applies()
+    assert expert_gemm.layer_tokamax_spec(96) is None
 
 
 def spy_implementations(monkeypatch):
-    """The implementations tokamax_mlp's builders are asked for (each then runs tokamax's own
-    choice: a spec's Mosaic GPU kernel has no CPU path to test here)."""
+    """The implementations tokamax_mlp's builders (the forward's and the backward's GEMMs) are
+    asked for, with the rule on as on an sm90 GPU; each then runs tokamax's own choice (a
+    spec's Mosaic GPU kernel has no CPU path to test here)."""
+    monkeypatch.setattr(expert_gemm, "tile_rule_applies", lambda: True)
     seen = []
     real_primal, real_dot = expert_gemm._tokamax_primal, expert_gemm._tokamax_dot
     monkeypatch.setattr(expert_gemm, "_tokamax_primal",
@@ -362,11 +369,17 @@ def test_mean_rows_pick_the_tile_on_every_path(monkeypatch, option, layout, buck
         expert_gemm.expert_mlp(xin, jnp.asarray(COUNTS), w_in, w_out, option,
                                row_buckets=buckets, mean_rows=mean)
         assert seen and set(seen) == {want}, (mean, seen)
-    monkeypatch.setenv("JMC_TOKAMAX_IMPL", "xla")  # a named implementation wins over the rule
-    seen.clear()
-    expert_gemm.expert_mlp(xin, jnp.asarray(COUNTS), w_in, w_out, option, row_buckets=buckets,
-                           mean_rows=96)
-    assert seen and set(seen) == {"xla"}, seen
+    for env, want in (("xla", "xla"), ("default", "default"), ("", "mosaic:m128")):
+        monkeypatch.setenv("JMC_TOKAMAX_IMPL", env)  # a named implementation wins over the rule
+        seen.clear()
+        expert_gemm.expert_mlp(xin, jnp.asarray(COUNTS), w_in, w_out, option,
+                               row_buckets=buckets, mean_rows=96)
+        assert seen and set(seen) == {want}, (env, seen)
+
+
+def test_default_is_tokamax_own_choice():
+    """JMC_TOKAMAX_IMPL=default (TOKAMAX_OWN_CHOICE): no implementation passed to tokamax."""
+    assert expert_gemm._tokamax_implementation(expert_gemm.TOKAMAX_OWN_CHOICE) is None
 
 
 # -- through the MoE layer: jax.grad through dispatch, the experts and combine ----------------
@@ -406,7 +419,8 @@ def test_layer_gradients_match_the_einsum_option(option, layout, einsum_layer):
 
 @needs_tokamax
 def test_the_layer_gives_tokamax_the_tile_for_its_expected_rows(monkeypatch):
-    """moe.experts_forward passes MoEConfig.expected_rows_per_expert, forward and backward."""
+    """moe.experts_forward passes MoEConfig.expected_rows_per_expert to the builders of the
+    forward's and the backward's GEMMs."""
     monkeypatch.delenv("JMC_TOKAMAX_IMPL", raising=False)
     seen = spy_implementations(monkeypatch)
     layer_grads("tokamax", "packed")
