@@ -206,7 +206,7 @@ def option_fn(option, case=None):
     mean = None if case is None else -(-case.live // case.L)
     window = None if case is None else G.grad_window_for(case.T, case.L, mean_rows=mean)
     out = dict(out_dtype=bf16)
-    tile = dict(mean_rows=mean)  # tokamax's tile as the layer picks it (tokamax_spec_for_rows)
+    tile = dict(mean_rows=mean)  # tokamax's tile as the layer picks it (layer_tokamax_spec)
     if option == "einsum":
         return "padded", lambda x, c, wi, wo: G.einsum_mlp(x, wi, wo, **out)
     if option in ("ragged_dot", "ragged_dot_triton"):

@@ -330,7 +330,8 @@ def _tokamax_implementation(name):
     """tokamax's `implementation=` for one of ours: None (tokamax's choice; the environment's
     JMC_TOKAMAX_IMPL if set), a tokamax name, or a kernel spec ("mosaic:<spec>" or a named
     one, e.g. TOKAMAX_PERSISTENT): tokamax's Mosaic GPU kernel with that Config first, then
-    "mosaic" (tokamax's own config) and "xla" where it refuses a problem (NotImplementedError)."""
+    tokamax's own order ("mosaic" with its own config, "triton" where built, "xla") where it
+    refuses a problem (NotImplementedError). TOKAMAX_OWN_CHOICE: None."""
     name = _requested_implementation(name)
     if name == TOKAMAX_OWN_CHOICE:
         return None
@@ -345,7 +346,6 @@ def _tokamax_implementation(name):
         raise ValueError(f"{where}: {e}") from None
     from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as mgpu  # private: 0.0.17's
     from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu_common as common
-
     from tokamax._src.ops.ragged_dot import api
 
     fields["grid_minor_dim"] = common.MatmulDimension[fields["grid_minor_dim"].upper()]
@@ -534,8 +534,8 @@ def expert_mlp(x, counts, w_in, w_out, option: str = "auto", *, out_dtype=f32,
     "ragged_dot", "masked"): static row counts (e.g. MoEConfig.recv_rows_for(1.25)) to run the
     GEMMs on the smallest that holds the live rows (bucketed_mlp); None or () runs all T rows.
     "auto" where it means the padded einsum (CPU) runs without them. mean_rows: the expected
-    rows per local expert (MoEConfig.expected_rows_per_expert), which picks tokamax's tile
-    (tokamax_spec_for_rows) unless an implementation is named; None: tokamax's own choice.
+    rows per local expert (MoEConfig.expected_rows_per_expert), which picks tokamax's tile on
+    sm90 GPUs (layer_tokamax_spec) unless an implementation is named; None: tokamax's own.
     """
     requested = option
     option = resolve(option, layout="padded" if x.ndim == 3 else "packed")
