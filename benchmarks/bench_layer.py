@@ -773,23 +773,17 @@ class Bench:
         return h
 
     # -- one row ------------------------------------------------------------------------------
-    def mean_rows(self, case: Case) -> int:  # the layer's MoEConfig.expected_rows_per_expert
-        E, k, H, F = LAYERS[case.config]
-        cfg = MoELayerConfig(num_experts=E, experts_per_token=k, hidden=H, ffn=F,
-                             max_num_tokens=case.tokens)
-        return cfg.comm_config(self.world).expected_rows_per_expert
-
     def row_base(self, case: Case) -> dict:
         E, k, H, F = LAYERS[case.config]
         resolved = G.resolve(case.option, layout=case.layout)
         return dict(config=case.config, num_experts=E, experts_per_token=k, hidden=H, ffn=F,
                     tokens_per_rank=case.tokens, phase=case.phase, layout=case.layout,
                     expert_gemm=case.gemm,
-                    # the kernel spec this row's tokamax ran with (its own, the shell's, or
-                    # the layer's tile for its mean rows per expert; None: tokamax's choice)
+                    # the kernel spec this row's tokamax ran with, as the layer chooses it
+                    # (the row's own is in JMC_TOKAMAX_IMPL while it runs; None: tokamax's)
                     tokamax_impl=case.tokamax_impl or (
-                        (os.environ.get(G.TOKAMAX_IMPL_ENV)
-                         or G.layer_tokamax_spec(self.mean_rows(case)))
+                        G.tokamax_choice(None, self.layer_cfg(case).comm_config(
+                            self.world).expected_rows_per_expert)
                         if resolved in G.NEEDS_TOKAMAX and G.tokamax_problem() is None
                         else None),
                     expert_gemm_resolved=resolved,

@@ -326,6 +326,12 @@ def _requested_implementation(name):
     return name or os.environ.get(TOKAMAX_IMPL_ENV) or None
 
 
+def tokamax_choice(implementation, mean_rows: int | None) -> str | None:
+    """What tokamax_mlp asks tokamax for: `implementation`, else JMC_TOKAMAX_IMPL, else the
+    layer's tile for mean_rows (layer_tokamax_spec), else None (tokamax's own choice)."""
+    return _requested_implementation(implementation) or layer_tokamax_spec(mean_rows)
+
+
 def _tokamax_implementation(name):
     """tokamax's `implementation=` for one of ours: None (tokamax's choice; the environment's
     JMC_TOKAMAX_IMPL if set), a tokamax name, or a kernel spec ("mosaic:<spec>" or a named
@@ -428,8 +434,7 @@ def tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype=f32, implementation=None,
     x, w_in, w_out = (_vary_like(v, x, w_in, w_out) for v in (x, w_in, w_out))
     # The environment's choice resolved here, not inside the cached builders below: they would
     # keep the first value they saw (a later JMC_TOKAMAX_IMPL would not reach a new trace).
-    implementation = (_requested_implementation(implementation)
-                      or layer_tokamax_spec(mean_rows))
+    implementation = tokamax_choice(implementation, mean_rows)
     primal = _tokamax_primal(implementation)
     return grouped_vjp.grouped_mlp(x, group_sizes.astype(jnp.int32), w_in, w_out,
                                    jnp.dtype(out_dtype), _tokamax_dot(implementation), primal,
