@@ -278,11 +278,17 @@ TOKAMAX_IMPL_ENV = "JMC_TOKAMAX_IMPL"
 # - 96 mean rows (V2-Lite 128 tokens): m128 (128 x 64 tiles: an expert's rows in one row tile
 #   instead of two), 1.37-1.42x on two machines with steady samples, against 1.46-1.51x for
 #   n128 and 1.60-1.61x for tokamax's choice. On two other machines, whose m128 samples
-#   scattered (t(N)/N 1.3-1.9x the slope), m128 lost by 3-12 % (an open question, notes).
-# The bound 64 lies between the measured 32 and 96 (unmeasured between). Past 128 (prefill)
-# tokamax keeps its own choice: one run at 512 tokens (V2-Lite, 384 mean rows: 128-wide tiles
-# ~10 % faster) is not enough to extend the rule.
-TOKAMAX_TILE_BY_MEAN_ROWS = ((64, "n128"), (128, "m128"))
+#   scattered (t(N)/N 1.3-1.9x the slope), m128 lost by 3-12 %. A fifth machine, A B A B,
+#   9 samples a row, all steady (2026-12-06 afternoon, 8aa17b6): m128 621-638 us against
+#   721-730 for m64 (benchmarks/results/2026-12-06-8aa17b6-h100-closeout/).
+# - 128 mean rows (R1 512 tokens): m128 13,575-13,582 us against 14,790-14,989 for n128 and
+#   15,373-15,590 for m64 (2026-12-06 afternoon, 8aa17b6, A B then B A on one machine);
+# - 384 mean rows (V2-Lite 512 tokens, prefill): m128 1,772-1,789 us and n128 1,738-1,754
+#   against 1,997-2,042 for tokamax's own choice (m64n64) in the same two runs: the 128-wide
+#   tiles ~12 % faster; m128 kept, one tile from 65 rows up (n128 lost by 9 % at 128 rows).
+# The bound 64 lies between the measured 32 and 96 (unmeasured between). Past 384 (1,024
+# tokens and up) tokamax keeps its own choice: unmeasured.
+TOKAMAX_TILE_BY_MEAN_ROWS = ((64, "n128"), (384, "m128"))
 # The rule applies on the architecture it was measured on (sm90: H100; the H200 is sm90 too,
 # unconfirmed there); elsewhere tokamax keeps its own choice.
 TOKAMAX_TILE_ARCH = "9."
