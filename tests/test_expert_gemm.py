@@ -327,12 +327,12 @@ def test_a_spec_the_kernel_refuses_falls_back_and_computes(name):
 
 # -- tokamax's tile by the mean rows per expert (TOKAMAX_TILE_BY_MEAN_ROWS) ------------------
 def test_tile_rule_by_mean_rows():
-    """n128 up to 64 mean rows per expert, m128 up to 384, tokamax's own choice past that
+    """n128 up to 48 mean rows per expert, m128 up to 384, tokamax's own choice past that
     (1,024 tokens and up: not measured) and where the caller gives no mean."""
     rule = expert_gemm.tokamax_spec_for_rows
     assert rule(None) is None
-    assert [rule(m) for m in (0, 1, 4, 32, 64)] == ["mosaic:n128"] * 5
-    assert [rule(m) for m in (65, 96, 128, 129, 384)] == ["mosaic:m128"] * 5
+    assert [rule(m) for m in (0, 1, 4, 32, 48)] == ["mosaic:n128"] * 5
+    assert [rule(m) for m in (49, 64, 96, 128, 129, 384)] == ["mosaic:m128"] * 6
     assert rule(385) is None and rule(1024) is None
     for _, spec in expert_gemm.TOKAMAX_TILE_BY_MEAN_ROWS:
         assert expert_gemm.parse_tokamax_spec(spec) != SM90  # a real change of tile
