@@ -284,15 +284,19 @@ TOKAMAX_IMPL_ENV = "JMC_TOKAMAX_IMPL"
 # - 128 mean rows (R1 512 tokens): m128 13,575-13,582 us against 14,790-14,989 for n128 and
 #   15,373-15,590 for m64 (2026-12-06 afternoon, 8aa17b6, A B then B A on one machine);
 # - 384 mean rows (V2-Lite 512 tokens, prefill): m128 1,772-1,789 us and n128 1,738-1,754
-#   against 1,997-2,042 for tokamax's own choice (m64n64) in the same two runs: the 128-wide
-#   tiles ~12 % faster; m128 kept, one tile from 65 rows up (n128 lost by 9 % at 128 rows).
+#   against 1,997-2,042 for tokamax's own choice (m64n64) in the same two runs: m128 12 %
+#   faster, n128 13-14 %; m128 kept, one tile for the range (n128 lost by 8-9 % at 128 rows).
+#   One machine, 5 samples a row; R1's rows by t(N)/N (few layers a sample), not the slope.
 # - between (2026-12-06 afternoon, 948f92b, A B then B A, benchmarks/results/
 #   2026-12-06-948f92b-h100-tile-gap/): V2-Lite 32 / 64 tokens (24 / 48 mean rows) n128 423 /
 #   459-467 us against 511-514 / 543 for m128; R1 256 tokens (64 mean rows) m128 8,379-8,612
-#   against 9,552-9,591 for n128 (1.47-1.51x its floor against 1.67-1.68x).
-# So the bound is 48: n128 up to it (R1 32 and V2-Lite 48 measured), m128 past it (R1 64 and
-# V2-Lite 96 measured); between 48 and 64 unmeasured. Past 384 (1,024 tokens and up) tokamax
-# keeps its own choice: unmeasured.
+#   against 9,552-9,591 for n128 (1.47-1.51x its floor against 1.67-1.68x). One machine, 7
+#   samples a row; V2-Lite 64's m128 row ran in one of the two runs (the other's budget ended).
+# So the crossover depends on the shapes: R1's lies between 32 and 64 mean rows, V2-Lite's
+# between 48 and 96. Any bound from 48 to 63 fits both; 48 it is (R1 at 33-48 mean rows, e.g.
+# 192 tokens, gets n128 unmeasured). Past 384 (V2-Lite from 1,024 tokens, R1 from 1,536)
+# tokamax keeps its own choice, unmeasured; R1 at 1,024 tokens (256 mean rows) gets m128,
+# unmeasured too.
 TOKAMAX_TILE_BY_MEAN_ROWS = ((48, "n128"), (384, "m128"))
 # The rule applies on the architecture it was measured on (sm90: H100; the H200 is sm90 too,
 # unconfirmed there); elsewhere tokamax keeps its own choice.

@@ -77,8 +77,13 @@ def layer_cases():
     big = dict(num_experts=2 * WORLD, experts_per_token=4, hidden=256, ffn=512,
                max_num_tokens=64)
     if expert_gemm.tokamax_problem() is None:
+        # 128 mean rows: the tile rule's m128 on sm90 (expert_gemm.TOKAMAX_TILE_BY_MEAN_ROWS);
+        # 32 mean rows (max_m 16): its n128, in the forward and the backward's d x
         out += [("tokamax-128-rows-packed", MoELayerConfig(**big, expert_gemm="tokamax"), 0.0,
                  1, False),
+                ("tokamax-32-rows-packed",
+                 MoELayerConfig(**{**big, "max_num_tokens": 16}, expert_gemm="tokamax"), 0.0, 1,
+                 False),
                 ("tokamax-dropped-slots-3-layers-remat-packed",
                  MoELayerConfig(**big, expert_gemm="tokamax"), 0.1, 3, True)]
     else:

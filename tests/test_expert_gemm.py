@@ -328,7 +328,7 @@ def test_a_spec_the_kernel_refuses_falls_back_and_computes(name):
 # -- tokamax's tile by the mean rows per expert (TOKAMAX_TILE_BY_MEAN_ROWS) ------------------
 def test_tile_rule_by_mean_rows():
     """n128 up to 48 mean rows per expert, m128 up to 384, tokamax's own choice past that
-    (1,024 tokens and up: not measured) and where the caller gives no mean."""
+    (not measured) and where the caller gives no mean."""
     rule = expert_gemm.tokamax_spec_for_rows
     assert rule(None) is None
     assert [rule(m) for m in (0, 1, 4, 32, 48)] == ["mosaic:n128"] * 5
