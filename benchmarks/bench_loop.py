@@ -21,6 +21,8 @@ pplx-kernels, so the two columns compare (DESIGN section 8, "One clock for both"
   between two event calls; host us per call (enqueue rate) and GPU us per cycle, beside a
   trivial jitted call's host cost measured in the same process; `per-call-donated` the same
   with the previous call's output donated as the next one's (stable buffer addresses);
+- `floor-*` (opt-in, --variants): the same loop with kernels that move no data in place of
+  each cycle (FLOORS below): what the cycle's shape costs before any byte moves;
 - a timeline of one cycle in the recorded `graph+barrier` loop from the kernels' own stamps
   (benchmarks/timeline.py; breakdown only, never the headline).
 Correctness is checked before (testing.run_and_check) and after the timed loops.
@@ -56,6 +58,18 @@ from jax_moe_comm.backends.nvshmem import event_elapsed_us, record_event  # noqa
 from timeline import format_timeline, phase_timeline  # noqa: E402
 
 VARIANTS = ("graph", "graph+barrier")
+# The floor of a cycle's shape (issue 23): the same loop with each cycle's dispatch and combine
+# replaced by kernels that move no data, the calls chained by their tickets and one order_after
+# per cycle, as a real cycle's. name: (kind, kernels per call, calls per cycle, order_after
+# after every call). "empty" kernels only wait for the one before: 2 calls price two of XLA's
+# graph edges between custom calls, 1 call of 2 kernels two dependent launches inside one call,
+# "+order" an order_after node more per cycle. "barrier" kernels add one all-rank crossing each
+# (a release store to every peer, a wait for every peer): two per cycle are a dispatch and a
+# combine that carry nothing.
+FLOORS = {"floor-empty-2calls": ("empty", 1, 2, False), "floor-empty-1call": ("empty", 2, 1, False),
+          "floor-empty-2calls+order": ("empty", 1, 2, True),
+          "floor-barrier-2calls": ("barrier", 1, 2, False),
+          "floor-barrier-1call": ("barrier", 2, 1, False)}
 # the per-call rows: (the name time_case files them under, the row's variant)
 CALL_VARIANTS = (("per_call", "per-call"), ("per_call_donated", "per-call-donated"))
 CALL_ROWS = tuple(v for _, v in CALL_VARIANTS)
@@ -108,13 +122,25 @@ def time_case(case: Case, mesh, args) -> dict:
         out = a2a.dispatch(x, idx, nt, x_scale=xs)
         return a2a.combine(ey, out.routing, idx, w, nt)
 
-    def loop_fn(K: int, barrier_each: bool):
+    def floor_cycle(nt, variant: str):
+        kind, per_call, calls, order_each = FLOORS[variant]
+        ticket = nt
+        for _ in range(calls):
+            ticket = backend.floor_kernels(ticket, kind, per_call)
+            if order_each:
+                ticket = order_after(ticket, nt)
+        return order_after(nt, ticket)
+
+    def loop_fn(K: int, variant: str):
         def per_rank(x, xs, idx, w, nt, ey):
             nt = nt.reshape(())
             nt = order_after(nt, backend.barrier(nt))  # the ranks start together
             nt = order_after(nt, record_event(nt, 0))
             for _ in range(K):
-                if barrier_each:
+                if variant in FLOORS:
+                    nt = floor_cycle(nt, variant)
+                    continue
+                if variant == "graph+barrier":
                     nt = order_after(nt, backend.barrier(nt))
                 nt = order_after(nt, cycle(x, xs, idx, w, nt, ey))  # the next after this one
             return record_event(nt, 1)
@@ -139,7 +165,7 @@ def time_case(case: Case, mesh, args) -> dict:
     mine = {"runs": {}}
     for variant in args.variants:
         for K in args.ks:
-            fn = loop_fn(K, variant == "graph+barrier")
+            fn = loop_fn(K, variant)
             if K == args.ks[-1] and variant == "graph" and RANK == 0 and args.show_hlo:
                 text = fn.lower(*operands).compile().as_text()
                 print(f"  {case} K={K}: compiled program has {text.count('custom-call(')} "
@@ -188,7 +214,7 @@ def time_case(case: Case, mesh, args) -> dict:
     # launch is recorded, so a new jit after set_timing).
     if args.timeline:
         backend.set_timing(True)
-        fn = loop_fn(args.timeline, True)
+        fn = loop_fn(args.timeline, "graph+barrier")
         jax.block_until_ready(fn(*operands))
         jax.block_until_ready(fn(*operands))
         stamps = backend.read_timings()
@@ -286,8 +312,10 @@ def main() -> int:
     args = p.parse_args()
     args.ks = [int(k) for k in args.ks.split(",")]
     args.variants = [v for v in args.variants.split(",") if v]
-    if any(v not in VARIANTS for v in args.variants) or len(set(args.ks)) < 2 or min(args.ks) < 1:
-        p.error(f"--variants from {VARIANTS}; --ks: at least two distinct K >= 1")
+    if (any(v not in VARIANTS + tuple(FLOORS) for v in args.variants) or len(set(args.ks)) < 2
+            or min(args.ks) < 1):
+        p.error(f"--variants from {VARIANTS + tuple(FLOORS)}; --ks: at least two distinct "
+                "K >= 1")
     if args.timeline > 1000:
         p.error("--timeline: at most 1000 cycles (the stamps a handle keeps)")
     from jax_moe_comm import init
@@ -312,7 +340,7 @@ def main() -> int:
             rows = summarize(case, everyone, args)
             result["rows"] += rows
             for r in rows:
-                if r["variant"] in VARIANTS and r["K"] == args.ks[-1]:
+                if r["variant"] in VARIANTS + tuple(FLOORS) and r["K"] == args.ks[-1]:
                     say(f"{case}: {r['variant']:14s} {r['fit_event_b_us']:7.1f} us/cycle "
                         f"(fit a {r['fit_event_a_us']:.1f} us; K={r['K']}: "
                         f"{r['per_cycle_event_us']:.1f})", flush=True)

@@ -259,6 +259,7 @@ NB_MODULE(_native, m) {
   targets["jmc_dispatch"] = handler_capsule(jmc::kDispatch);
   targets["jmc_combine"] = handler_capsule(jmc::kCombine);
   targets["jmc_barrier"] = handler_capsule(jmc::kBarrier);
+  targets["jmc_floor_kernels"] = handler_capsule(jmc::kFloorKernels);
   targets["jmc_dense_all_to_all"] = handler_capsule(jmc::kDenseAllToAll);
   targets["jmc_order_after"] = handler_capsule(jmc::kOrderAfter);
   targets["jmc_record_event"] = handler_capsule(jmc::kRecordEvent);

@@ -1,4 +1,5 @@
-// Benchmark helpers as FFI handlers: an on-stream barrier between ranks and the dense NVSHMEM all-to-all baseline (nvshmemx_alltoallmem_on_stream).
+// Benchmark helpers as FFI handlers: an on-stream barrier between ranks, the loop benchmark's
+// floor kernels and the dense NVSHMEM all-to-all baseline (nvshmemx_alltoallmem_on_stream).
 #include <cuda_runtime.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
@@ -21,6 +22,26 @@ ffi::Error Barrier(cudaStream_t stream, int64_t handle, ffi::AnyBuffer dep,
   JMC_RETURN_IF_ERROR(begin(handle, Op::kBarrier, &h));
   const BarrierParams p{h->common(), h->timings};
   JMC_RETURN_IF_CUDA_ERROR(launch_barrier(p, h->dependent_launch, stream));
+  return ffi::Error::Success();
+}
+
+// The loop benchmark's floor (bench_loop --variants floor-*): `count` kernels in one call, each
+// a programmatic dependent of the one before: kind 0 empty (a kernel boundary and nothing
+// else), kind 1 the barrier (a boundary and one all-rank crossing). Two calls of one kernel
+// per cycle against one call of two price XLA's graph edge between our custom calls against
+// a dependent launch inside one.
+ffi::Error FloorKernels(cudaStream_t stream, int64_t handle, int64_t kind, int64_t count,
+                        ffi::AnyBuffer dep, ffi::Result<ffi::AnyBuffer> out) {
+  if ((kind != 0 && kind != 1) || count < 1 || count > 16)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "floor kernels: kind 0 (empty) or 1 (barrier), count in [1, 16]");
+  Call h;
+  JMC_RETURN_IF_ERROR(begin(handle, Op::kBarrier, &h));
+  const BarrierParams p{h->common(), h->timings};
+  for (int64_t i = 0; i < count; ++i) {
+    JMC_RETURN_IF_CUDA_ERROR(kind == 0 ? launch_empty(h->dependent_launch, stream)
+                                       : launch_barrier(p, h->dependent_launch, stream));
+  }
   return ffi::Error::Success();
 }
 
@@ -59,6 +80,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBarrier, Barrier,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Attr<int64_t>("handle")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              JMC_GRAPH_SAFE);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kFloorKernels, FloorKernels,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<int64_t>("handle")
+                                  .Attr<int64_t>("kind")
+                                  .Attr<int64_t>("count")
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>(),
                               JMC_GRAPH_SAFE);

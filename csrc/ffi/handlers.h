@@ -19,6 +19,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kCombineRecv);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kDispatch);  // send + recv in one launch
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCombine);   // send + recv in one launch
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kBarrier);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kFloorKernels);  // bench_loop's floor: empty or barrier kernels
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kDenseAllToAll);  // not graph-safe: NVSHMEM's collective
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kOrderAfter);  // order_after's data edge, no launch
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kRecordEvent);  // benchmarks' clock; not graph-safe (event.cc)

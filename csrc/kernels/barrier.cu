@@ -9,6 +9,7 @@
 // 4. With timing on, it opens a sample: the last sample's stamps (the current row) go into the
 //    ring, and the current row starts empty with this barrier's end.
 // timestamp: one thread writes %globaltimer (the dense all-to-all baseline's stamps).
+// empty: waits for the kernels before it and ends (the loop benchmark's floor).
 // blocks_per_sm: the occupancy of each all-to-all kernel, for sizing grids on the host.
 #include "core/launch.cuh"
 #include "core/protocol.cuh"
@@ -68,10 +69,16 @@ __global__ void barrier_kernel(const BarrierParams p) {
 
 __global__ void timestamp_kernel(uint64_t* out) { *out = globaltimer_ns(); }
 
+__global__ void empty_kernel() { wait_for_previous_kernels(); }
+
 }  // namespace
 
 cudaError_t launch_barrier(const BarrierParams& p, bool dependent_launch, cudaStream_t stream) {
   return launch_kernel(barrier_kernel, Launch{1, 4, dependent_launch}, 0, stream, p);
+}
+
+cudaError_t launch_empty(bool dependent_launch, cudaStream_t stream) {
+  return launch_kernel(empty_kernel, Launch{1, 1, dependent_launch}, 0, stream);
 }
 
 bool kernels_wait_for_previous() {

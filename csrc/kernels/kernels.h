@@ -178,6 +178,9 @@ cudaError_t launch_dispatch_recv(const DispatchRecvParams& p, Launch l, cudaStre
 cudaError_t launch_combine_send(const CombineSendParams& p, Launch l, cudaStream_t s);
 cudaError_t launch_combine_recv(const CombineRecvParams& p, Launch l, cudaStream_t s);
 cudaError_t launch_barrier(const BarrierParams& p, bool dependent_launch, cudaStream_t s);
+// Benchmarks' floor (bench_loop --variants floor-*): a kernel of one warp that only waits for
+// the kernels before it, so a loop of them times kernel boundaries alone.
+cudaError_t launch_empty(bool dependent_launch, cudaStream_t s);
 // True when the kernels loaded on this device were compiled from compute_90+ code, so they
 // start with griddepcontrol.wait (core/launch.cuh) and may be launched as dependents.
 bool kernels_wait_for_previous();

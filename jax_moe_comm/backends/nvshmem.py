@@ -295,6 +295,17 @@ class NvshmemBackend:
         """On-stream barrier of every rank of this handle; returns a ticket ordered after dep."""
         return self._call("jmc_barrier", self._ticket(dep), dep, side_effect=True)
 
+    def floor_kernels(self, dep, kind: str, count: int):
+        """Benchmarks' floor (bench_loop): `count` kernels in one call, each a dependent launch
+        of the one before, "empty" (a kernel boundary alone) or "barrier" (a boundary and one
+        all-rank crossing); returns a ticket ordered after dep."""
+        kinds = {"empty": 0, "barrier": 1}
+        if kind not in kinds or not 1 <= count <= 16:
+            raise ValueError(f"floor_kernels: kind from {sorted(kinds)}, count in [1, 16]; "
+                             f"got {kind!r}, {count}")
+        return self._call("jmc_floor_kernels", self._ticket(dep), dep, side_effect=True,
+                          kind=np.int64(kinds[kind]), count=np.int64(count))
+
     # -- host side -------------------------------------------------------------------------
     def set_timing(self, on: bool) -> None:
         """Benchmarks: bracket every kernel with %globaltimer stamps (read_timings). Each
