@@ -11,7 +11,8 @@
 #   COMMITS="d2745f9 d2745f9+JMC_FUSED=always" TOKENS=1,4,16 bash scripts/gpu_bisect.sh
 # A setting nothing reads repeats an entry (A B A B, to see the run's own drift; 2026-12-06):
 #   COMMITS="$H other+JMC_ACKS=implicit $H+X=1 other+JMC_ACKS=implicit+X=1" ...
-# TIMELINE=10 adds each entry's per-phase timeline of one cycle (the kernels' stamps, a
+# VARIANTS=graph,floor-barrier-2calls adds bench_loop's floor rows to each entry's JSON (the
+# table shows `graph`). TIMELINE=10 adds each entry's per-phase timeline of one cycle (the kernels' stamps, a
 # recorded graph+barrier loop of 10 cycles) to its log, to see where a difference goes.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_logs}; mkdir -p "$OUT"
@@ -56,7 +57,7 @@ for c in ${COMMITS:?set COMMITS (each unpacked in .old/<commit>)}; do
     $PY -m jax_moe_comm.launch -n 8 --oversubscribe --timeout $(( ${LIMIT:-120} - 10 )) -- \
     $PY "$ROOT/.old/$tree/benchmarks/bench_loop.py" \
     --tokens "${TOKENS:-1,16}" --ks "${KS:-1,10,50}" --calls 0 --timeline "${TIMELINE:-0}" \
-    --variants graph \
+    --variants "${VARIANTS:-graph}" \
     --out "$W/loop_${c//[+=]/_}.json" > "$W/loop_${c//[+=]/_}.log" 2>&1)
   echo "-- $c rc=$? $(grep -c 'us/cycle' "$W/loop_${c//[+=]/_}.log") rows"
   report
