@@ -176,20 +176,31 @@ __device__ __forceinline__ bool refused_at_start(const CommonParams& c, KernelId
 
 enum class Wait { kArrived, kTimedOut, kAborted };
 
+// How many polls a wait makes between two reads of the clock. %globaltimer is not the SM's cycle
+// counter: a read is a slow, variable-latency trip off the SM, and on a poll loop's critical
+// path (one per poll, and one per kernel body for its deadline) the clock's reads cost 1.5-1.8
+// us per 1-token cycle (diag-notimer, H100, 9369e29). A wait bounded every 16 polls (~5 us
+// at ~0.3 us a poll under MPS) still gives up within its timeout plus that.
+constexpr uint32_t kPollsPerClockRead = 16;
+
 // Spins until *flag >= expected. The first load acquires: a flag that is already there (an
 // acknowledgement of the previous cycle, a peer that was ahead) costs one load, not a relaxed
-// load and then an acquire. Otherwise it polls relaxed (no L1 invalidation per poll), then
-// acquires once. Each poll loads the flag and the abort word together: one round trip per
-// poll (the abort word's load, then a branch on it, then the flag's made two, ~1.2 us under
-// MPS, so a flag was seen ~0.6 us later on average). With a peer behind a proxy transport,
+// load and then an acquire, and no clock read. Otherwise it polls relaxed (no L1 invalidation
+// per poll), then acquires once. Each poll loads the flag and the abort word together: one
+// round trip per poll (the abort word's load, then a branch on it, then the flag's made two,
+// ~1.2 us under MPS, so a flag was seen ~0.6 us later on average). The timeout (c.timeout_ns)
+// runs from the wait's first clock read, kPollsPerClockRead polls after its first miss: each
+// wait is bounded on its own, and the first that times out sets the abort word, which ends
+// every later wait of the launch at its next poll. With a peer behind a proxy transport,
 // nvshmem_uint64_test then runs the transport's post-wait consistency hook (DESIGN §11; with
 // only load/store peers the acquire is the whole story). Gives up at the deadline or when
 // the abort word is set (a flag that arrived in the same poll wins).
 __device__ __forceinline__ Wait wait_ge(const CommonParams& c, const uint64_t* flag,
-                                        uint64_t expected, uint64_t deadline, uint64_t* seen) {
+                                        uint64_t expected, uint64_t* seen) {
   uint64_t v = ld_acquire_sys_u64(flag);
   if (v < expected) {
-    while (true) {
+    uint64_t deadline = 0;  // set at the first clock read
+    for (uint32_t polls = 1;; ++polls) {
       const uint64_t aborted = ld_relaxed_sys_u64(c.sym.abort_word);
       v = ld_relaxed_sys_u64(flag);  // in flight with the abort word's load
       if (v >= expected) break;
@@ -197,9 +208,14 @@ __device__ __forceinline__ Wait wait_ge(const CommonParams& c, const uint64_t* f
         *seen = v;
         return Wait::kAborted;
       }
-      if (globaltimer_ns() > deadline) {
-        *seen = v;
-        return Wait::kTimedOut;
+      if (polls % kPollsPerClockRead == 0) {
+        const uint64_t now = globaltimer_ns();
+        if (deadline == 0) {
+          deadline = now + c.timeout_ns;
+        } else if (now > deadline) {
+          *seen = v;
+          return Wait::kTimedOut;
+        }
       }
       __nanosleep(20);
     }
@@ -268,13 +284,13 @@ __device__ __forceinline__ bool check_wait(const CommonParams& c, Wait w, Phase 
 // Lane 0 waits, the warp shares the verdict; __syncwarp orders the other lanes' later reads
 // after lane 0's acquire (a shuffle alone is not an ordering edge, DESIGN §11).
 __device__ __forceinline__ bool warp_wait_ge(const CommonParams& c, const uint64_t* flag,
-                                             uint64_t expected, uint64_t deadline, Phase phase,
+                                             uint64_t expected, Phase phase,
                                              int peer, int token, What what) {
   const int lane = threadIdx.x % kWarpSize;
   int ok = 0;
   if (lane == 0) {
     uint64_t seen = 0;
-    const Wait w = wait_ge(c, flag, expected, deadline, &seen);
+    const Wait w = wait_ge(c, flag, expected, &seen);
     ok = check_wait(c, w, phase, peer, token, expected, seen, what);
   }
   ok = __shfl_sync(0xffffffffu, ok, 0);

@@ -45,7 +45,6 @@ __global__ void barrier_kernel(const BarrierParams p) {
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&state->barrier_epoch) + 1;
   const uint32_t opened = *reinterpret_cast<volatile uint32_t*>(&state->timing_opened);
   if (c.timings != nullptr) open_sample(p, opened);
-  const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
   uint64_t sent = 0, received = 0;
   if (threadIdx.x == 0 && !(launch_in_order(c, kDispatchSendKernel, &sent, &received) &&
                             launch_in_order(c, kCombineSendKernel, &sent, &received)))
@@ -54,7 +53,7 @@ __global__ void barrier_kernel(const BarrierParams p) {
     set_flag(c, &c.sym.barrier_flag[c.rank], epoch, peer);
   for (int peer = threadIdx.x; peer < c.shape.world_size; peer += blockDim.x) {
     uint64_t seen = 0;
-    const Wait w = wait_ge(c, &c.sym.barrier_flag[peer], epoch, deadline, &seen);
+    const Wait w = wait_ge(c, &c.sym.barrier_flag[peer], epoch, &seen);
     check_wait(c, w, kPhaseBarrier, peer, -1, epoch, seen, kWhatNone);
   }
   __syncthreads();  // every thread has read the counters and filed its slot

@@ -105,8 +105,8 @@ constexpr int kSlotBatch = kCopyUnroll * kVecBytes / static_cast<int>(sizeof(Chu
 // block calls it (block barriers inside); `active` false (a refused launch): it waits for
 // nothing. Returns the block's verdict.
 __device__ __forceinline__ bool map_staged_rows(const CombineRecvParams& p, bool active,
-                                             uint64_t epoch, uint64_t deadline,
-                                             uint64_t* slot_map, uint64_t map_base) {
+                                             uint64_t epoch, uint64_t* slot_map,
+                                             uint64_t map_base) {
   const CommonParams& c = p.c;
   const Shape& s = c.shape;
   const SymmetricLayout& sym = c.sym;
@@ -118,7 +118,7 @@ __device__ __forceinline__ bool map_staged_rows(const CombineRecvParams& p, bool
     if (!active || peer_ptr(c, sym.abort_word, from) != nullptr) continue;
     uint64_t seen = 0;
     const uint64_t want = count_word(epoch, 0, sym.combine_cap);
-    const Wait r = wait_ge(c, &sym.combine_count[from], want, deadline, &seen);
+    const Wait r = wait_ge(c, &sym.combine_count[from], want, &seen);
     if (!check_wait(c, r, kPhaseCombineRecv, from, -1, want, seen, kWhatRowCount)) {
       ok = false;
     } else if (seen - want > static_cast<uint64_t>(sym.combine_cap)) {
@@ -156,7 +156,6 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
   auto staged = [&] { return kGeneral && sym.staged(); };
   const Warps w;
   stamp_start(c, kCombineRecvKernel);
-  const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
   const int k = s.experts_per_token;
   const int chunks = s.hidden / kElemsPerChunk;
   const int num_tokens = max(0, min(*p.num_tokens, s.max_num_tokens));
@@ -176,7 +175,7 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
                                           static_cast<size_t>(blockIdx.x) * s.max_num_tokens * k
                                     : nullptr;
   const uint64_t map_base = epoch * (static_cast<uint64_t>(sym.combine_cap) + 1);
-  if (staged()) healthy = map_staged_rows(p, healthy, epoch, deadline, slot_map, map_base);
+  if (staged()) healthy = map_staged_rows(p, healthy, epoch, slot_map, map_base);
 
   for (int i = w.warp; i < s.max_num_tokens * parts; i += w.total) {
     const int t = i / parts, part = i % parts;
@@ -211,7 +210,7 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
           continue;
         }
         uint64_t seen = 0;
-        const Wait r = wait_ge(c, sym.slot_flag(t, j), epoch, deadline, &seen);
+        const Wait r = wait_ge(c, sym.slot_flag(t, j), epoch, &seen);
         ok &= check_wait(c, r, kPhaseCombineRecv, ids[j] / L, t, epoch, seen, kWhatRow);
       }
       live = __all_sync(0xffffffffu, ok);

@@ -52,7 +52,6 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
   auto can_drop = [&] { return kGeneral && s.can_drop(); };
   const Warps w;
   stamp_start(c, kCombineSendKernel);
-  const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
   const int k = s.experts_per_token, L = s.num_local_experts(), R = s.max_recv_tokens();
   const int G = s.num_dp_groups(), dp = s.dp_size;
   __shared__ uint32_t block_home_fill[kMaxBlockCounters];
@@ -73,7 +72,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
     for (int h = w.lane; h < s.world_size; h += kWarpSize) {
       if (h == w.lane && first_ack >= epoch - 1) continue;  // loaded above: already there
       uint64_t seen = 0;
-      const Wait r = wait_ge(c, &sym.combine_ack[h], epoch - 1, deadline, &seen);
+      const Wait r = wait_ge(c, &sym.combine_ack[h], epoch - 1, &seen);
       ok &= check_wait(c, r, kPhaseCombineSend, h, -1, epoch - 1, seen, kWhatAck);
     }
   }

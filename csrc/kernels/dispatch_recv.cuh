@@ -111,7 +111,6 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
   auto can_drop = [&] { return kGeneral && s.can_drop(); };
   const Warps w;
   stamp_start(c, kDispatchRecvKernel);
-  const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
   const int k = s.experts_per_token, L = s.num_local_experts(), R = s.max_recv_tokens();
   const int G = s.num_dp_groups(), dp = s.dp_size;
   const int first_expert = c.rank * L;
@@ -131,7 +130,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
       const int sender = g * dp + c.rank % dp;
       uint64_t seen = 0;
       const uint64_t want = count_word(epoch, 0, s.max_num_tokens);
-      const Wait r = wait_ge(c, &sym.dispatch_count[g], want, deadline, &seen);
+      const Wait r = wait_ge(c, &sym.dispatch_count[g], want, &seen);
       if (check_wait(c, r, kPhaseDispatchRecv, sender, -1, want, seen, kWhatCount)) {
         // seen >= want; more than max_m above it is a later cycle's word (no division needed)
         if (seen - want > static_cast<uint64_t>(s.max_num_tokens)) {

@@ -77,7 +77,6 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) 
   const SymmetricLayout& sym = c.sym;
   const Warps w;
   stamp_start(c, kDispatchSendKernel);
-  const uint64_t deadline = globaltimer_ns() + c.timeout_ns;
   const int k = s.experts_per_token, L = s.num_local_experts();
   const int G = s.num_dp_groups(), dp = s.dp_size;
   const int my_group = c.rank / dp, my_member = c.rank % dp;
@@ -109,7 +108,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) 
       if (g == w.lane && first_ack >= epoch - 1) continue;  // loaded above: already there
       const int dst = g * dp + my_member;
       uint64_t seen = 0;
-      const Wait r = wait_ge(c, &sym.dispatch_ack[dst], epoch - 1, deadline, &seen);
+      const Wait r = wait_ge(c, &sym.dispatch_ack[dst], epoch - 1, &seen);
       ok &= check_wait(c, r, kPhaseDispatchSend, dst, -1, epoch - 1, seen, kWhatAck);
     }
   }
