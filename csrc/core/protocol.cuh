@@ -74,7 +74,11 @@ __device__ __forceinline__ void set_ack(const CommonParams& c, uint64_t* flag, u
 
 // Records the first error of this rank and tells every rank (itself included) through the
 // abort word, so their waits fail fast instead of each running into its own timeout.
-__device__ __forceinline__ void fail(const CommonParams& c, ErrorCode code, Phase phase,
+// Not inlined: it runs only on an error, and inlined at its ~20 call sites (the record, a
+// release or an NVSHMEM put per rank) it made a third of the fused kernels' machine code, cold
+// code between the hot paths. `c` is the kernel's parameter in place (every kernel takes its
+// parameters as __grid_constant__), so the call copies nothing to the stack.
+inline __device__ __noinline__ void fail(const CommonParams& c, ErrorCode code, Phase phase,
                                      int peer, int token, uint64_t expected, uint64_t seen,
                                      What what, const PeerView* view = nullptr) {
   if (!record_error(c.error, code, phase, peer, token, expected, seen, what, view)) return;
@@ -254,8 +258,9 @@ inline __device__ __noinline__ void read_peer_view(const uint64_t* remote, uint3
   for (int i = 0; i < kStartedKernels; ++i) v->started[i] = ld_relaxed_sys_u64(remote + i);
 }
 
-// The record of a wait that timed out, with the peer's view when the peer is a rank.
-__device__ __forceinline__ void fail_timed_out(const CommonParams& c, Phase phase, int peer,
+// The record of a wait that timed out, with the peer's view when the peer is a rank. Not
+// inlined, as fail().
+inline __device__ __noinline__ void fail_timed_out(const CommonParams& c, Phase phase, int peer,
                                                int token, uint64_t expected, uint64_t seen,
                                                What what) {
   PeerView view{};

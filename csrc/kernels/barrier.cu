@@ -33,7 +33,7 @@ __device__ void open_sample(const BarrierParams& p, uint32_t opened) {
   current[slot] = 0;
 }
 
-__global__ void barrier_kernel(const BarrierParams p) {
+__global__ void barrier_kernel(const __grid_constant__ BarrierParams p) {
   wait_for_previous_kernels();
   const CommonParams& c = p.c;
   DeviceState* state = c.scratch.state;

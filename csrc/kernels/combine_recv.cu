@@ -8,7 +8,7 @@ namespace {
 
 template <typename T, bool kGeneral>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
-    combine_recv_kernel(const CombineRecvParams p) {
+    combine_recv_kernel(const __grid_constant__ CombineRecvParams p) {
   wait_for_previous_kernels();
   combine_recv_body<T, kGeneral>(p);
 }

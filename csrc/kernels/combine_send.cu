@@ -8,7 +8,7 @@ namespace {
 
 template <bool kGeneral>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
-    combine_send_kernel(const CombineSendParams p) {
+    combine_send_kernel(const __grid_constant__ CombineSendParams p) {
   wait_for_previous_kernels();
   combine_send_body<kGeneral>(p);
 }

@@ -8,7 +8,7 @@ namespace {
 
 template <bool kGeneral>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
-    dispatch_recv_kernel(const DispatchRecvParams p) {
+    dispatch_recv_kernel(const __grid_constant__ DispatchRecvParams p) {
   wait_for_previous_kernels();
   dispatch_recv_body<kGeneral>(p);
 }

@@ -8,7 +8,7 @@ namespace {
 
 template <bool kGeneral>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
-    dispatch_send_kernel(const DispatchSendParams p) {
+    dispatch_send_kernel(const __grid_constant__ DispatchSendParams p) {
   wait_for_previous_kernels();
   dispatch_send_body<kGeneral>(p);
 }
