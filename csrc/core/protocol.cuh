@@ -39,11 +39,14 @@ __device__ __forceinline__ void count_staged(const CommonParams& c, KernelId ker
             static_cast<unsigned long long>(messages));
 }
 
+// kMayStage false (the direct instantiations, kernels.h general_path: every peer is load/store
+// reachable) compiles the NVSHMEM branch out: it was cold machine code in every hot path.
+template <bool kMayStage = true>
 __device__ __forceinline__ void set_flag(const CommonParams& c, uint64_t* flag, uint64_t value,
                                          int pe, int counted = -1) {
   if (uint64_t* direct = peer_ptr(c, flag, pe)) {
     st_release_sys_u64(direct, value);
-  } else {
+  } else if (kMayStage) {
     nvshmem_fence();  // puts to pe issued before this one land first
     nvshmem_uint64_p(flag, value, pe);
     if (counted >= 0) count_staged(c, static_cast<KernelId>(counted), 1);
@@ -62,13 +65,14 @@ __device__ __forceinline__ void set_flag(const CommonParams& c, uint64_t* flag, 
 // cycle's data landing under it cannot reach any output. pplx-kernels acknowledges with no
 // fence at all. A violation would be a peer overwriting rows still being read: the soak worker
 // checks every cycle's data.
+template <bool kMayStage>
 __device__ __forceinline__ void set_ack(const CommonParams& c, uint64_t* flag, uint64_t value,
                                         int pe, int counted) {
   uint64_t* direct = peer_ptr(c, flag, pe);
   if (direct != nullptr && !c.release_acks) {
     st_relaxed_sys_u64(direct, value);
   } else {
-    set_flag(c, flag, value, pe, counted);
+    set_flag<kMayStage>(c, flag, value, pe, counted);
   }
 }
 
@@ -199,6 +203,7 @@ constexpr uint32_t kPollsPerClockRead = 16;
 // nvshmem_uint64_test then runs the transport's post-wait consistency hook (DESIGN §11; with
 // only load/store peers the acquire is the whole story). Gives up at the deadline or when
 // the abort word is set (a flag that arrived in the same poll wins).
+template <bool kMayStage = true>  // false: no staged peer, no NVSHMEM hook (set_flag)
 __device__ __forceinline__ Wait wait_ge(const CommonParams& c, const uint64_t* flag,
                                         uint64_t expected, uint64_t* seen) {
   uint64_t v = ld_acquire_sys_u64(flag);
@@ -226,7 +231,7 @@ __device__ __forceinline__ Wait wait_ge(const CommonParams& c, const uint64_t* f
     v = ld_acquire_sys_u64(flag);
   }
   *seen = v;
-  if (c.sym.staged()) nvshmem_uint64_test(const_cast<uint64_t*>(flag), NVSHMEM_CMP_GE, expected);
+  if (kMayStage && c.sym.staged()) nvshmem_uint64_test(const_cast<uint64_t*>(flag), NVSHMEM_CMP_GE, expected);
   return Wait::kArrived;
 }
 

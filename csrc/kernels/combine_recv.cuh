@@ -210,7 +210,7 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
           continue;
         }
         uint64_t seen = 0;
-        const Wait r = wait_ge(c, sym.slot_flag(t, j), epoch, &seen);
+        const Wait r = wait_ge<kGeneral>(c, sym.slot_flag(t, j), epoch, &seen);
         ok &= check_wait(c, r, kPhaseCombineRecv, ids[j] / L, t, epoch, seen, kWhatRow);
       }
       live = __all_sync(0xffffffffu, ok);
@@ -252,7 +252,7 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
   if (!is_last_block(c, kCombineRecvKernel)) return;
   if (acknowledge) {
     for (int h = threadIdx.x; h < s.world_size; h += blockDim.x)
-      set_ack(c, &sym.combine_ack[c.rank], epoch, h, kCombineRecvKernel);
+      set_ack<kGeneral>(c, &sym.combine_ack[c.rank], epoch, h, kCombineRecvKernel);
   }
   finish_launch(c, kCombineRecvKernel, epoch);
 }

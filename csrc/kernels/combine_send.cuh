@@ -72,7 +72,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
     for (int h = w.lane; h < s.world_size; h += kWarpSize) {
       if (h == w.lane && first_ack >= epoch - 1) continue;  // loaded above: already there
       uint64_t seen = 0;
-      const Wait r = wait_ge(c, &sym.combine_ack[h], epoch - 1, &seen);
+      const Wait r = wait_ge<kGeneral>(c, &sym.combine_ack[h], epoch - 1, &seen);
       ok &= check_wait(c, r, kPhaseCombineSend, h, -1, epoch - 1, seen, kWhatAck);
     }
   }

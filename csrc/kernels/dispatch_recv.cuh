@@ -130,7 +130,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
       const int sender = g * dp + c.rank % dp;
       uint64_t seen = 0;
       const uint64_t want = count_word(epoch, 0, s.max_num_tokens);
-      const Wait r = wait_ge(c, &sym.dispatch_count[g], want, &seen);
+      const Wait r = wait_ge<kGeneral>(c, &sym.dispatch_count[g], want, &seen);
       if (check_wait(c, r, kPhaseDispatchRecv, sender, -1, want, seen, kWhatCount)) {
         // seen >= want; more than max_m above it is a later cycle's word (no division needed)
         if (seen - want > static_cast<uint64_t>(s.max_num_tokens)) {
@@ -269,7 +269,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
   }
   if (healthy) {
     for (int g = threadIdx.x; g < G; g += blockDim.x)
-      set_ack(c, &sym.dispatch_ack[c.rank], epoch, g * dp + c.rank % dp, kDispatchRecvKernel);
+      set_ack<kGeneral>(c, &sym.dispatch_ack[c.rank], epoch, g * dp + c.rank % dp, kDispatchRecvKernel);
   }
   finish_launch(c, kDispatchRecvKernel, epoch);
 }

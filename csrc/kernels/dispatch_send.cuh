@@ -108,7 +108,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) 
       if (g == w.lane && first_ack >= epoch - 1) continue;  // loaded above: already there
       const int dst = g * dp + my_member;
       uint64_t seen = 0;
-      const Wait r = wait_ge(c, &sym.dispatch_ack[dst], epoch - 1, &seen);
+      const Wait r = wait_ge<kGeneral>(c, &sym.dispatch_ack[dst], epoch - 1, &seen);
       ok &= check_wait(c, r, kPhaseDispatchSend, dst, -1, epoch - 1, seen, kWhatAck);
     }
   }
@@ -166,8 +166,9 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) 
   for (int g = threadIdx.x; g < G; g += blockDim.x) {
     const uint32_t count = one_block ? send_count[g] : atomicExch(&send_count[g], 0u);
     if (publish_all)
-      set_flag(c, &sym.dispatch_count[my_group], count_word(epoch, count, s.max_num_tokens),
-               g * dp + my_member, kDispatchSendKernel);
+      set_flag<kGeneral>(c, &sym.dispatch_count[my_group],
+                         count_word(epoch, count, s.max_num_tokens), g * dp + my_member,
+                         kDispatchSendKernel);
   }
   finish_launch(c, kDispatchSendKernel, epoch);
 }
