@@ -63,9 +63,10 @@ VARIANTS = ("graph", "graph+barrier")
 # per cycle, as a real cycle's. name: (kind, kernels per call, calls per cycle, order_after
 # after every call). "empty" kernels only wait for the one before: 2 calls price two of XLA's
 # graph edges between custom calls, 1 call of 2 kernels two dependent launches inside one call,
-# "+order" an order_after node more per cycle. "barrier" kernels add one all-rank crossing each
-# (a release store to every peer, a wait for every peer): two per cycle are a dispatch and a
-# combine that carry nothing.
+# "+order" an order_after more after each call (it launches nothing; at no cost, XLA may have
+# added no graph node for it). "barrier" kernels add one all-rank crossing each (a release
+# store to every peer, a wait for every peer): two per cycle are a dispatch and a combine that
+# carry nothing.
 FLOORS = {"floor-empty-2calls": ("empty", 1, 2, False), "floor-empty-1call": ("empty", 2, 1, False),
           "floor-empty-2calls+order": ("empty", 1, 2, True),
           "floor-barrier-2calls": ("barrier", 1, 2, False),

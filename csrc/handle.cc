@@ -361,8 +361,8 @@ std::string recover_handle(int64_t id) {
   if (h == nullptr) return "no open handle with id " + std::to_string(id);
   std::lock_guard<std::mutex> lock(h->mutex);  // no handler is mid-call
   if (!h->create_error.empty()) return "its creation failed: " + h->create_error;
-  // Our kernels end within their timeout (every wait is bounded, and they give up at once when
-  // the abort word is set), so these return; after the barrier no rank's kernel still runs
+  // Our kernels end: every wait is bounded by the timeout, and they give up at once when the
+  // abort word is set, so these return; after the barrier no rank's kernel still runs
   // and every put has landed (nvshmem_barrier_all completes them).
   const cudaError_t err = cudaDeviceSynchronize();
   nvshmem_barrier_all();

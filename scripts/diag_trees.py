@@ -65,9 +65,22 @@ def no_combine_ack(tree: str) -> None:
         "  if (false && acknowledge) {  // DIAG: no ack")
 
 
+OLD_DEADLINE = "const uint64_t deadline = globaltimer_ns() + c.timeout_ns;"
+OLD_KERNELS = ("csrc/kernels/dispatch_send.cuh", "csrc/kernels/dispatch_recv.cuh",
+               "csrc/kernels/combine_send.cuh", "csrc/kernels/combine_recv.cuh")
+
+
 def no_timer(tree: str) -> None:
-    sub(tree, "csrc/core/protocol.cuh", "      if (polls % kPollsPerClockRead == 0) {",
-        "      if (false && polls % kPollsPerClockRead == 0) {  // DIAG: no clock read")
+    protocol = os.path.join(tree, "csrc", "core", "protocol.cuh")
+    if "kPollsPerClockRead" in open(protocol).read():
+        sub(tree, "csrc/core/protocol.cuh", "      if (polls % kPollsPerClockRead == 0) {",
+            "      if (false && polls % kPollsPerClockRead == 0) {  // DIAG: no clock read")
+        return
+    # before c9cc5e9: a deadline per kernel body, the clock checked at every poll
+    for path in OLD_KERNELS:
+        sub(tree, path, OLD_DEADLINE, "const uint64_t deadline = ~0ull;  // DIAG: no timer read")
+    sub(tree, "csrc/core/protocol.cuh", "      if (globaltimer_ns() > deadline) {",
+        "      if (deadline != ~0ull && globaltimer_ns() > deadline) {  // DIAG")
 
 
 def relaxed_ack_load(tree: str) -> None:

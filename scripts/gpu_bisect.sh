@@ -12,7 +12,8 @@
 # A setting nothing reads repeats an entry (A B A B, to see the run's own drift; 2026-12-06):
 #   COMMITS="$H other+JMC_ACKS=implicit $H+X=1 other+JMC_ACKS=implicit+X=1" ...
 # VARIANTS=graph,floor-barrier-2calls adds bench_loop's floor rows to each entry's JSON (the
-# table shows `graph`). TIMELINE=10 adds each entry's per-phase timeline of one cycle (the kernels' stamps, a
+# table shows `graph`; a tree older than 9369e29 has no floor variants and its entry fails).
+# TIMELINE=10 adds each entry's per-phase timeline of one cycle (the kernels' stamps, a
 # recorded graph+barrier loop of 10 cycles) to its log, to see where a difference goes.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_logs}; mkdir -p "$OUT"

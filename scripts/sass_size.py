@@ -7,9 +7,10 @@
 Why (issue 23, 2026-12-06 evening): at decode sizes a kernel's code size is on the critical
 path. Every launch of a one-block kernel lands on an SM whose instruction caches hold other
 code, and cold code between the hot paths costs fetches: moving the error paths out of line
-(fused dispatch 4,304 -> 3,296 instructions) made every 1-16 token cycle 2.0-4.6 µs faster.
-Check a kernel change here before timing it. Needs nvcc (/usr/local/cuda or CUDA_HOME), jax
-and the NVSHMEM wheel in this interpreter (scripts/setup.sh's .venv has both).
+(fused dispatch 4,304 -> 3,296 instructions; with a clock-read change worth 0.2-0.5 µs) made
+every 1-16 token cycle 2.0-4.6 µs faster. Check a kernel change here before timing it. Needs
+nvcc (/usr/local/cuda or CUDA_HOME), jax and the NVSHMEM wheel in this interpreter
+(scripts/setup.sh's .venv has both). A tree under .old/ compiles against its own headers.
 """
 
 from __future__ import annotations
@@ -22,9 +23,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def text_sizes(cubin: bytes) -> dict[str, int]:
     """{function: SASS instructions} from an ELF64 cubin's .text.<function> sections (16 bytes
@@ -48,6 +46,18 @@ def short(mangled: str) -> str:
     return (m.group(2) + (m.group(3) or "")) if m else mangled
 
 
+def csrc_of(source: str) -> str:
+    """The csrc/ folder the source file lives in (its includes are relative to it), so a tree
+    under .old/ compiles against its own headers."""
+    path = os.path.dirname(os.path.abspath(source))
+    while os.path.basename(path) != "csrc":
+        parent = os.path.dirname(path)
+        if parent == path:
+            sys.exit(f"sass_size: {source} is not under a csrc/ folder")
+        path = parent
+    return path
+
+
 def compile_cubin(source: str, arch: str) -> bytes:
     import jax.ffi
     import nvidia.nvshmem
@@ -58,7 +68,7 @@ def compile_cubin(source: str, arch: str) -> bytes:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "k.cubin")
         subprocess.run([nvcc, "-std=c++17", "-rdc=true", f"-arch=sm_{arch}", "-O3", "-cubin",
-                        f"-I{os.path.join(ROOT, 'csrc')}", f"-I{jax.ffi.include_dir()}",
+                        f"-I{csrc_of(source)}", f"-I{jax.ffi.include_dir()}",
                         f"-I{nvshmem}", f"-I{os.path.join(home, 'include', 'cccl')}",
                         "-c", source, "-o", out], check=True)
         return open(out, "rb").read()

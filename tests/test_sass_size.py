@@ -1,11 +1,14 @@
 """The decode kernels' machine code stays small (scripts/sass_size.py says why: at 1-16 tokens
-code size is on the critical path; the error paths moved out of line made every such cycle
-2.0-4.6 µs faster on an H100, 2026-12-06). A change that grows the fused direct kernels past
-these budgets must show by one clock that it is worth it, then raise the budget."""
+code size is on the critical path; the error paths moved out of line, with a clock-read
+change worth 0.2-0.5 µs, made every such cycle 2.0-4.6 µs faster on an H100, 2026-12-06). A
+change that grows the fused direct kernels past these budgets must show by one clock that it
+is worth it, then raise the budget."""
 
 import importlib.util
 import os
+import re
 import shutil
+import subprocess
 
 import pytest
 
@@ -23,12 +26,20 @@ def load():
     return module
 
 
-def nvcc_present() -> bool:
+def nvcc_release() -> str | None:
+    """nvcc's release ("13.0"), or None without nvcc."""
     home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    return shutil.which("nvcc") is not None or os.path.exists(os.path.join(home, "bin", "nvcc"))
+    nvcc = shutil.which("nvcc") or os.path.join(home, "bin", "nvcc")
+    if not os.path.exists(nvcc):
+        return None
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    found = re.search(r"release (\d+\.\d+)", out)
+    return found.group(1) if found else None
 
 
-@pytest.mark.skipif(not nvcc_present(), reason="needs nvcc to compile the kernels")
+# The budgets are nvcc 13.0's instruction counts: another compiler schedules differently.
+@pytest.mark.skipif(nvcc_release() != "13.0",
+                    reason=f"budgets are for nvcc 13.0; nvcc here: {nvcc_release()}")
 def test_fused_direct_kernels_within_their_code_budget():
     pytest.importorskip("nvidia.nvshmem", reason="needs the NVSHMEM wheel's headers")
     sass = load()
@@ -38,4 +49,4 @@ def test_fused_direct_kernels_within_their_code_budget():
         assert kernel in sizes, f"{kernel} not in {sorted(sizes)}"
         assert 1000 < sizes[kernel] <= budget, f"{kernel}: {sizes[kernel]} instructions"
     # the error paths stay out of line (a function of their own, not copies in every kernel)
-    assert any("4fail" in name for name in sass.text_sizes(cubin))
+    assert any("3jmc4failE" in name for name in sass.text_sizes(cubin))

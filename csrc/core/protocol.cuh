@@ -46,7 +46,7 @@ __device__ __forceinline__ void set_flag(const CommonParams& c, uint64_t* flag, 
                                          int pe, int counted = -1) {
   if (uint64_t* direct = peer_ptr(c, flag, pe)) {
     st_release_sys_u64(direct, value);
-  } else if (kMayStage) {
+  } else if (kMayStage) {  // (a direct handle's peers are all load/store: handle.cc checks)
     nvshmem_fence();  // puts to pe issued before this one land first
     nvshmem_uint64_p(flag, value, pe);
     if (counted >= 0) count_staged(c, static_cast<KernelId>(counted), 1);
@@ -79,12 +79,13 @@ __device__ __forceinline__ void set_ack(const CommonParams& c, uint64_t* flag, u
 // Records the first error of this rank and tells every rank (itself included) through the
 // abort word, so their waits fail fast instead of each running into its own timeout.
 // Not inlined: it runs only on an error, and inlined at its ~20 call sites (the record, a
-// release or an NVSHMEM put per rank) it made a third of the fused kernels' machine code, cold
-// code between the hot paths. `c` is the kernel's parameter in place (every kernel takes its
-// parameters as __grid_constant__), so the call copies nothing to the stack.
+// release or an NVSHMEM put per rank), with the timeout's record, it made 23 % of the fused
+// dispatch kernel's machine code (12-14 % of the combines'), cold code between the hot paths
+// (docs/notes.md, 2026-12-06 evening). `c` is the kernel's parameter in place (every kernel
+// takes its parameters as __grid_constant__), so the call copies nothing to the stack.
 inline __device__ __noinline__ void fail(const CommonParams& c, ErrorCode code, Phase phase,
-                                     int peer, int token, uint64_t expected, uint64_t seen,
-                                     What what, const PeerView* view = nullptr) {
+                                         int peer, int token, uint64_t expected, uint64_t seen,
+                                         What what, const PeerView* view = nullptr) {
   if (!record_error(c.error, code, phase, peer, token, expected, seen, what, view)) return;
   if (code == kPeerAborted) return;  // the peer that failed first told everyone already
   if (code == kStaleLaunch) return;  // a closed handle: its symmetric buffer may be another's
@@ -184,11 +185,11 @@ __device__ __forceinline__ bool refused_at_start(const CommonParams& c, KernelId
 
 enum class Wait { kArrived, kTimedOut, kAborted };
 
-// How many polls a wait makes between two reads of the clock. %globaltimer is not the SM's cycle
-// counter: a read is a slow, variable-latency trip off the SM, and on a poll loop's critical
-// path (one per poll, and one per kernel body for its deadline) the clock's reads cost 1.5-1.8
-// us per 1-token cycle (diag-notimer, H100, 9369e29). A wait bounded every 16 polls (~5 us
-// at ~0.3 us a poll under MPS) still gives up within its timeout plus that.
+// How many polls a wait makes between two reads of the clock. %globaltimer is not the SM's
+// cycle counter: a read is a trip off the SM, and one per poll and one per kernel body (for its
+// deadline) sat on the cycle's critical path (-0.2 to -0.5 us per cycle without them, c9cc5e9,
+// H100). A poll is one round trip (0.3-0.6 us under MPS), so a wait gives up within its
+// timeout plus up to 32 polls (16 before its first clock read, up to 16 after the deadline).
 constexpr uint32_t kPollsPerClockRead = 16;
 
 // Spins until *flag >= expected. The first load acquires: a flag that is already there (an
@@ -231,16 +232,18 @@ __device__ __forceinline__ Wait wait_ge(const CommonParams& c, const uint64_t* f
     v = ld_acquire_sys_u64(flag);
   }
   *seen = v;
-  if (kMayStage && c.sym.staged()) nvshmem_uint64_test(const_cast<uint64_t*>(flag), NVSHMEM_CMP_GE, expected);
+  if (kMayStage && c.sym.staged())
+    nvshmem_uint64_test(const_cast<uint64_t*>(flag), NVSHMEM_CMP_GE, expected);
   return Wait::kArrived;
 }
 
 // What a wait of `phase` that timed out on `peer` needed from it (which kernel, which cycle),
 // and where that peer's kernels had started (its `started` marks, read through `remote` where
-// it is load/store reachable; nothing for a peer over the network), for the error record. Only on the timeout path, and not
-// inlined, with scalar arguments: inlined (or handed CommonParams, which the call then copies
-// to the stack), the remote reads took registers from the hot loops (dispatch_recv spilled
-// 112 bytes instead of 48).
+// it is load/store reachable; nothing for a peer over the network), for the error record.
+// Only on the timeout path, and not inlined, with scalar arguments: inlined (or handed
+// CommonParams, which the call copied to the stack before the kernels took their parameters as
+// __grid_constant__), the remote reads took registers from the hot loops (dispatch_recv
+// spilled 112 bytes instead of 48).
 inline __device__ __noinline__ void read_peer_view(const uint64_t* remote, uint32_t phase,
                                                    uint64_t expected, uint32_t what,
                                                    uint64_t bound, PeerView* v) {
@@ -266,8 +269,8 @@ inline __device__ __noinline__ void read_peer_view(const uint64_t* remote, uint3
 // The record of a wait that timed out, with the peer's view when the peer is a rank. Not
 // inlined, as fail().
 inline __device__ __noinline__ void fail_timed_out(const CommonParams& c, Phase phase, int peer,
-                                               int token, uint64_t expected, uint64_t seen,
-                                               What what) {
+                                                   int token, uint64_t expected, uint64_t seen,
+                                                   What what) {
   PeerView view{};
   if (peer >= 0 && peer < c.shape.world_size)
     read_peer_view(peer_ptr(c, c.sym.started, peer), phase, expected, what,

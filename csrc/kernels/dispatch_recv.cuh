@@ -269,7 +269,8 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
   }
   if (healthy) {
     for (int g = threadIdx.x; g < G; g += blockDim.x)
-      set_ack<kGeneral>(c, &sym.dispatch_ack[c.rank], epoch, g * dp + c.rank % dp, kDispatchRecvKernel);
+      set_ack<kGeneral>(c, &sym.dispatch_ack[c.rank], epoch, g * dp + c.rank % dp,
+                        kDispatchRecvKernel);
   }
   finish_launch(c, kDispatchRecvKernel, epoch);
 }

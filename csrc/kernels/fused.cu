@@ -26,7 +26,8 @@ namespace {
 // kGeneral: kernels.h, general_path (false: the direct, padded, worst-case instantiation).
 template <bool kGeneral>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, 1)
-    dispatch_kernel(const __grid_constant__ DispatchSendParams send, const __grid_constant__ DispatchRecvParams recv) {
+    dispatch_kernel(const __grid_constant__ DispatchSendParams send,
+                    const __grid_constant__ DispatchRecvParams recv) {
   wait_for_previous_kernels();
   dispatch_send_body<kGeneral>(send);
   __syncthreads();  // thread 0 closed the send launch: the recv body's order check reads it
@@ -35,7 +36,8 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, 1)
 
 template <typename T, bool kGeneral>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, 1)
-    combine_kernel(const __grid_constant__ CombineSendParams send, const __grid_constant__ CombineRecvParams recv) {
+    combine_kernel(const __grid_constant__ CombineSendParams send,
+                   const __grid_constant__ CombineRecvParams recv) {
   wait_for_previous_kernels();
   combine_send_body<kGeneral>(send);
   __syncthreads();  // thread 0 closed the send launch: the recv body's order check reads it

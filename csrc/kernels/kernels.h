@@ -14,7 +14,7 @@ namespace jmc {
 // Threads per block the kernels are compiled for (__launch_bounds__): 16 warps, and at least
 // two such blocks per SM (<= 64 registers): with one block (the 70-80 registers they took
 // unbounded) too few warps are copying at large batches. At that cap (nvcc 13.0, sm_90) the
-// split kernels spill a few words (combine_send 60 B, dispatch_recv 44 B; combine_recv none;
+// split kernels spill a few words (dispatch_recv 44-48 B, the general bf16 combine_recv 28 B;
 // -Xptxas -v); the fused one-block kernels have no cap and no spills.
 constexpr int kMaxWarpsPerBlock = 16;
 constexpr int kMinBlocksPerSm = 2;
