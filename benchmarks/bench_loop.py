@@ -71,6 +71,7 @@ FLOORS = {"floor-empty-2calls": ("empty", 1, 2, False), "floor-empty-1call": ("e
           "floor-empty-2calls+order": ("empty", 1, 2, True),
           "floor-barrier-2calls": ("barrier", 1, 2, False),
           "floor-barrier-1call": ("barrier", 2, 1, False)}
+ALL_VARIANTS = VARIANTS + tuple(FLOORS)  # what --variants takes
 # the per-call rows: (the name time_case files them under, the row's variant)
 CALL_VARIANTS = (("per_call", "per-call"), ("per_call_donated", "per-call-donated"))
 CALL_ROWS = tuple(v for _, v in CALL_VARIANTS)
@@ -313,10 +314,9 @@ def main() -> int:
     args = p.parse_args()
     args.ks = [int(k) for k in args.ks.split(",")]
     args.variants = [v for v in args.variants.split(",") if v]
-    if (any(v not in VARIANTS + tuple(FLOORS) for v in args.variants) or len(set(args.ks)) < 2
-            or min(args.ks) < 1):
-        p.error(f"--variants from {VARIANTS + tuple(FLOORS)}; --ks: at least two distinct "
-                "K >= 1")
+    bad_ks = len(set(args.ks)) < 2 or min(args.ks) < 1
+    if any(v not in ALL_VARIANTS for v in args.variants) or bad_ks:
+        p.error(f"--variants from {ALL_VARIANTS}; --ks: at least two distinct K >= 1")
     if args.timeline > 1000:
         p.error("--timeline: at most 1000 cycles (the stamps a handle keeps)")
     from jax_moe_comm import init
@@ -341,7 +341,7 @@ def main() -> int:
             rows = summarize(case, everyone, args)
             result["rows"] += rows
             for r in rows:
-                if r["variant"] in VARIANTS + tuple(FLOORS) and r["K"] == args.ks[-1]:
+                if r["variant"] in ALL_VARIANTS and r["K"] == args.ks[-1]:
                     say(f"{case}: {r['variant']:14s} {r['fit_event_b_us']:7.1f} us/cycle "
                         f"(fit a {r['fit_event_a_us']:.1f} us; K={r['K']}: "
                         f"{r['per_cycle_event_us']:.1f})", flush=True)

@@ -58,18 +58,33 @@ def csrc_of(source: str) -> str:
     return path
 
 
+CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+
+
+def nvcc() -> str:
+    """The nvcc on PATH, else CUDA_HOME's (which may not exist)."""
+    return shutil.which("nvcc") or os.path.join(CUDA_HOME, "bin", "nvcc")
+
+
+def nvcc_release() -> str | None:
+    """nvcc's release ("13.0"), or None without nvcc."""
+    if not os.path.exists(nvcc()):
+        return None
+    out = subprocess.run([nvcc(), "--version"], capture_output=True, text=True).stdout
+    found = re.search(r"release (\d+\.\d+)", out)
+    return found.group(1) if found else None
+
+
 def compile_cubin(source: str, arch: str) -> bytes:
     import jax.ffi
     import nvidia.nvshmem
 
-    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    nvcc = shutil.which("nvcc") or os.path.join(home, "bin", "nvcc")
     nvshmem = os.path.join(list(nvidia.nvshmem.__path__)[0], "include")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "k.cubin")
-        subprocess.run([nvcc, "-std=c++17", "-rdc=true", f"-arch=sm_{arch}", "-O3", "-cubin",
+        subprocess.run([nvcc(), "-std=c++17", "-rdc=true", f"-arch=sm_{arch}", "-O3", "-cubin",
                         f"-I{csrc_of(source)}", f"-I{jax.ffi.include_dir()}",
-                        f"-I{nvshmem}", f"-I{os.path.join(home, 'include', 'cccl')}",
+                        f"-I{nvshmem}", f"-I{os.path.join(CUDA_HOME, 'include', 'cccl')}",
                         "-c", source, "-o", out], check=True)
         return open(out, "rb").read()
 

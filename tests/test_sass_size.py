@@ -6,9 +6,6 @@ is worth it, then raise the budget."""
 
 import importlib.util
 import os
-import re
-import shutil
-import subprocess
 
 import pytest
 
@@ -26,23 +23,14 @@ def load():
     return module
 
 
-def nvcc_release() -> str | None:
-    """nvcc's release ("13.0"), or None without nvcc."""
-    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    nvcc = shutil.which("nvcc") or os.path.join(home, "bin", "nvcc")
-    if not os.path.exists(nvcc):
-        return None
-    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    found = re.search(r"release (\d+\.\d+)", out)
-    return found.group(1) if found else None
+sass = load()
 
 
 # The budgets are nvcc 13.0's instruction counts: another compiler schedules differently.
-@pytest.mark.skipif(nvcc_release() != "13.0",
-                    reason=f"budgets are for nvcc 13.0; nvcc here: {nvcc_release()}")
+@pytest.mark.skipif(sass.nvcc_release() != "13.0",
+                    reason=f"budgets are for nvcc 13.0; nvcc here: {sass.nvcc_release()}")
 def test_fused_direct_kernels_within_their_code_budget():
     pytest.importorskip("nvidia.nvshmem", reason="needs the NVSHMEM wheel's headers")
-    sass = load()
     cubin = sass.compile_cubin(os.path.join(ROOT, "csrc", "kernels", "fused.cu"), "90")
     sizes = {sass.short(name): n for name, n in sass.text_sizes(cubin).items()}
     for kernel, budget in BUDGETS.items():

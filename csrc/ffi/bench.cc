@@ -27,10 +27,9 @@ ffi::Error Barrier(cudaStream_t stream, int64_t handle, ffi::AnyBuffer dep,
 
 // The loop benchmark's floor (bench_loop --variants floor-*): `count` kernels in one call, each
 // a programmatic dependent of the one before where the handle launches so (Hopper, unless
-// JMC_PDL=0): kind 0 empty (a kernel boundary and nothing
-// else), kind 1 the barrier (a boundary and one all-rank crossing). Two calls of one kernel
-// per cycle against one call of two price XLA's graph edge between our custom calls against
-// a dependent launch inside one.
+// JMC_PDL=0): kind 0 empty (a kernel boundary and nothing else), kind 1 the barrier (a
+// boundary and one all-rank crossing). Two calls of one kernel per cycle against one call of
+// two price XLA's graph edge between our custom calls against a dependent launch inside one.
 ffi::Error FloorKernels(cudaStream_t stream, int64_t handle, int64_t kind, int64_t count,
                         ffi::AnyBuffer dep, ffi::Result<ffi::AnyBuffer> out) {
   if ((kind != 0 && kind != 1) || count < 1 || count > 16)
