@@ -117,3 +117,21 @@ def test_checkpoint_never_recomputes_our_calls(policy):
     hlo = cuda_hlo(jax.grad(lambda x: layer(x).sum()), jnp.ones((4,), jnp.float32))
     assert hlo.count("@jmc_barrier(") == 1
     assert hlo.count("@jmc_order_after(") == 1
+
+
+def test_floor_kernels_lower_with_their_attributes_and_refuse_bad_ones():
+    # bench_loop's floor: one side-effecting call carrying kind and count; bad ones refused at
+    # trace time with what was expected (a handle-less stand-in: nothing here runs)
+    from jax_moe_comm.backends.nvshmem import NvshmemBackend
+
+    backend = object.__new__(NvshmemBackend)
+    backend.handle = 7
+    x = jnp.ones((4,), jnp.int32)
+    (line,) = [ln for ln in cuda_hlo(lambda v: backend.floor_kernels(v, "barrier", 2), x)
+               .splitlines() if "@jmc_floor_kernels" in ln]
+    assert "has_side_effect = true" in line
+    assert "kind = 1 : i64" in line and "count = 2 : i64" in line and "handle = 7 : i64" in line
+    with pytest.raises(ValueError, match="kind from"):
+        backend.floor_kernels(x, "nap", 1)
+    with pytest.raises(ValueError, match=r"count in \[1, 16\]"):
+        backend.floor_kernels(x, "empty", 17)
