@@ -302,7 +302,7 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
           emulated_remote ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(h->symmetric, pe));
     }
     // Unstaged, the kernels write every peer through load/store (the direct instantiation,
-    // kernels.h general_path, has no staged branch at all): a peer nvshmem_ptr cannot reach
+    // kernels.h launch_path, has no staged branch at all): a peer nvshmem_ptr cannot reach
     // would be a write through nullptr. Python stages such handles; a direct caller gets this.
     // (error, not return: the caller's status exchange frees the handle on every rank.)
     for (int pe = 0; !staged && error.empty() && pe < shape.world_size; ++pe)

@@ -49,15 +49,19 @@ cudaError_t launch_kernel(void (*kernel)(Params...), Launch l, size_t shared_byt
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
-// Blocks per SM that fit for both instantiations of one body (kernels.h, general_path): a
-// grid sized by this fits whichever of the two a handle launches.
-template <typename... Params>
-int fewer_blocks_per_sm(void (*general)(Params...), void (*direct)(Params...),
-                        int warps_per_block, size_t shared_bytes) {
-  int a = 0, b = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, general, warps_per_block * 32, shared_bytes);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, direct, warps_per_block * 32, shared_bytes);
-  return std::min(a, b);
+// Blocks per SM that fit for every instantiation of one body (kernels.h, PathBits): a grid
+// sized by this fits whichever of them a handle launches.
+template <typename Kernel, typename... Kernels>
+int fewest_blocks_per_sm(int warps_per_block, size_t shared_bytes, Kernel kernel,
+                         Kernels... others) {
+  int blocks = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, warps_per_block * 32,
+                                                shared_bytes);
+  if constexpr (sizeof...(others) == 0) {
+    return blocks;
+  } else {
+    return std::min(blocks, fewest_blocks_per_sm(warps_per_block, shared_bytes, others...));
+  }
 }
 
 }  // namespace jmc

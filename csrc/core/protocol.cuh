@@ -39,7 +39,7 @@ __device__ __forceinline__ void count_staged(const CommonParams& c, KernelId ker
             static_cast<unsigned long long>(messages));
 }
 
-// kMayStage false (the direct instantiations, kernels.h general_path: every peer is load/store
+// kMayStage false (the direct instantiations, kernels.h PathBits: every peer is load/store
 // reachable) compiles the NVSHMEM branch out: it was cold machine code in every hot path.
 template <bool kMayStage = true>
 __device__ __forceinline__ void set_flag(const CommonParams& c, uint64_t* flag, uint64_t value,

@@ -6,17 +6,18 @@
 namespace jmc {
 namespace {
 
-template <typename T, bool kGeneral>
+template <typename T, unsigned kPath>  // kDirectOnly or kStagedOnly (kernels.h)
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kMinBlocksPerSm)
     combine_recv_kernel(const __grid_constant__ CombineRecvParams p) {
   wait_for_previous_kernels();
-  combine_recv_body<T, kGeneral>(p);
+  combine_recv_body<T, kPath>(p);
 }
 
 template <typename T>
 cudaError_t launch_typed(const CombineRecvParams& p, Launch l, cudaStream_t stream) {
-  if (general_path(p.c)) return launch_kernel(combine_recv_kernel<T, true>, l, 0, stream, p);
-  return launch_kernel(combine_recv_kernel<T, false>, l, 0, stream, p);
+  return with_staged_part(launch_path(p.c), [&](auto path) {
+    return launch_kernel(combine_recv_kernel<T, decltype(path)::value>, l, 0, stream, p);
+  });
 }
 
 }  // namespace
@@ -27,10 +28,10 @@ cudaError_t launch_combine_recv(const CombineRecvParams& p, Launch l, cudaStream
 }
 
 int combine_recv_blocks_per_sm(int warps_per_block) {
-  return min(fewer_blocks_per_sm(combine_recv_kernel<float, true>,
-                                 combine_recv_kernel<float, false>, warps_per_block, 0),
-             fewer_blocks_per_sm(combine_recv_kernel<__nv_bfloat16, true>,
-                                 combine_recv_kernel<__nv_bfloat16, false>, warps_per_block, 0));
+  return fewest_blocks_per_sm(warps_per_block, 0, combine_recv_kernel<float, kDirectOnly>,
+                              combine_recv_kernel<float, kStagedOnly>,
+                              combine_recv_kernel<__nv_bfloat16, kDirectOnly>,
+                              combine_recv_kernel<__nv_bfloat16, kStagedOnly>);
 }
 
 }  // namespace jmc

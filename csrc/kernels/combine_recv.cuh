@@ -148,12 +148,12 @@ __device__ __forceinline__ bool map_staged_rows(const CombineRecvParams& p, bool
   return __syncthreads_and(ok);  // the map is whole before any warp of this block reads it
 }
 
-template <typename T, bool kGeneral>  // kGeneral false: direct (kernels.h, general_path)
+template <typename T, unsigned kPath>  // kernels.h: kDirectOnly or kStagedOnly
 __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
   const CommonParams& c = p.c;
   const Shape& s = c.shape;
   const SymmetricLayout& sym = c.sym;
-  auto staged = [&] { return kGeneral && sym.staged(); };
+  auto staged = [&] { return may_stage(kPath) && sym.staged(); };
   const Warps w;
   stamp_start(c, kCombineRecvKernel);
   const int k = s.experts_per_token;
@@ -210,7 +210,7 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
           continue;
         }
         uint64_t seen = 0;
-        const Wait r = wait_ge<kGeneral>(c, sym.slot_flag(t, j), epoch, &seen);
+        const Wait r = wait_ge<may_stage(kPath)>(c, sym.slot_flag(t, j), epoch, &seen);
         ok &= check_wait(c, r, kPhaseCombineRecv, ids[j] / L, t, epoch, seen, kWhatRow);
       }
       live = __all_sync(0xffffffffu, ok);
@@ -252,7 +252,7 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p) {
   if (!is_last_block(c, kCombineRecvKernel)) return;
   if (acknowledge) {
     for (int h = threadIdx.x; h < s.world_size; h += blockDim.x)
-      set_ack<kGeneral>(c, &sym.combine_ack[c.rank], epoch, h, kCombineRecvKernel);
+      set_ack<may_stage(kPath)>(c, &sym.combine_ack[c.rank], epoch, h, kCombineRecvKernel);
   }
   finish_launch(c, kCombineRecvKernel, epoch);
 }

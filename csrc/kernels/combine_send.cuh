@@ -40,16 +40,16 @@
 namespace jmc {
 namespace {
 
-template <bool kGeneral>  // false: padded at the worst case, direct (kernels.h, general_path)
+template <unsigned kPath>  // kernels.h, PathBits: the branch families compiled in
 __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
   const CommonParams& c = p.c;
   const Shape& s = c.shape;
   const SymmetricLayout& sym = c.sym;
-  auto staged = [&] { return kGeneral && sym.staged(); };
+  auto staged = [&] { return may_stage(kPath) && sym.staged(); };
   // Re-read from the parameters at each use, as before: kept in registers across the
   // body they made the general instantiation spill.
-  auto packed = [&] { return kGeneral && s.packed(); };
-  auto can_drop = [&] { return kGeneral && s.can_drop(); };
+  auto packed = [&] { return path_packed(kPath, s); };
+  auto can_drop = [&] { return may_drop(kPath) && s.can_drop(); };
   const Warps w;
   stamp_start(c, kCombineSendKernel);
   const int k = s.experts_per_token, L = s.num_local_experts(), R = s.max_recv_tokens();
@@ -72,7 +72,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
     for (int h = w.lane; h < s.world_size; h += kWarpSize) {
       if (h == w.lane && first_ack >= epoch - 1) continue;  // loaded above: already there
       uint64_t seen = 0;
-      const Wait r = wait_ge<kGeneral>(c, &sym.combine_ack[h], epoch - 1, &seen);
+      const Wait r = wait_ge<may_stage(kPath)>(c, &sym.combine_ack[h], epoch - 1, &seen);
       ok &= check_wait(c, r, kPhaseCombineSend, h, -1, epoch - 1, seen, kWhatAck);
     }
   }
@@ -214,7 +214,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
       const uint32_t count = one_block ? home_fill[h] : atomicExch(&home_fill[h], 0u);
       if (publish_all && count <= static_cast<uint32_t>(sym.combine_cap) &&
           peer_ptr(c, sym.abort_word, h) == nullptr)
-        set_flag(c, &sym.combine_count[c.rank], count_word(epoch, count, sym.combine_cap), h,
+        set_flag<may_stage(kPath)>(c, &sym.combine_count[c.rank], count_word(epoch, count, sym.combine_cap), h,
                  kCombineSendKernel);
     }
   }

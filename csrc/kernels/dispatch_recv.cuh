@@ -70,7 +70,7 @@ __device__ __forceinline__ void warp0_prefix_in_place(uint32_t* a, int n) {
 // it from the headers (see the top of this file).
 __device__ __forceinline__ void count_expert_rows(const DispatchRecvParams& p,
                                                   const uint32_t* first_record, uint32_t total,
-                                                  uint32_t* expert_first) {
+                                                  bool packed, uint32_t* expert_first) {
   const CommonParams& c = p.c;
   const Shape& s = c.shape;
   const int k = s.experts_per_token, L = s.num_local_experts(), G = s.num_dp_groups();
@@ -92,7 +92,7 @@ __device__ __forceinline__ void count_expert_rows(const DispatchRecvParams& p,
     }
   }
   __syncthreads();
-  if (!s.packed())
+  if (!packed)
     for (int e = threadIdx.x; e < L; e += blockDim.x)
       expert_first[e + 1] = max(0, static_cast<int>(expert_first[e + 1]) - s.padded_stride());
   __syncthreads();
@@ -100,15 +100,15 @@ __device__ __forceinline__ void count_expert_rows(const DispatchRecvParams& p,
   __syncthreads();
 }
 
-template <bool kGeneral>  // false: padded at the worst case, direct (kernels.h, general_path)
+template <unsigned kPath>  // kernels.h, PathBits: the branch families compiled in
 __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) {
   const CommonParams& c = p.c;
   const Shape& s = c.shape;
   const SymmetricLayout& sym = c.sym;
   // Re-read from the parameters at each use, as before: kept in registers across the
   // body they made the general instantiation spill.
-  auto packed = [&] { return kGeneral && s.packed(); };
-  auto can_drop = [&] { return kGeneral && s.can_drop(); };
+  auto packed = [&] { return path_packed(kPath, s); };
+  auto can_drop = [&] { return may_drop(kPath) && s.can_drop(); };
   const Warps w;
   stamp_start(c, kDispatchRecvKernel);
   const int k = s.experts_per_token, L = s.num_local_experts(), R = s.max_recv_tokens();
@@ -130,7 +130,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
       const int sender = g * dp + c.rank % dp;
       uint64_t seen = 0;
       const uint64_t want = count_word(epoch, 0, s.max_num_tokens);
-      const Wait r = wait_ge<kGeneral>(c, &sym.dispatch_count[g], want, &seen);
+      const Wait r = wait_ge<may_stage(kPath)>(c, &sym.dispatch_count[g], want, &seen);
       if (check_wait(c, r, kPhaseDispatchRecv, sender, -1, want, seen, kWhatCount)) {
         // seen >= want; more than max_m above it is a later cycle's word (no division needed)
         if (seen - want > static_cast<uint64_t>(s.max_num_tokens)) {
@@ -155,7 +155,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
   // rows' sources start past the L * P rows (after first_record in dynamic shared memory).
   const bool counted = packed() || can_drop();
   uint32_t* expert_first = counted ? first_record + G + 1 : nullptr;
-  if (counted) count_expert_rows(p, first_record, total, expert_first);
+  if (counted) count_expert_rows(p, first_record, total, packed(), expert_first);
   const int capacity = static_cast<int>(s.output_rows()), P = s.padded_stride();
   const int sources = static_cast<int>(s.row_source_entries());
 
@@ -269,7 +269,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
   }
   if (healthy) {
     for (int g = threadIdx.x; g < G; g += blockDim.x)
-      set_ack<kGeneral>(c, &sym.dispatch_ack[c.rank], epoch, g * dp + c.rank % dp,
+      set_ack<may_stage(kPath)>(c, &sym.dispatch_ack[c.rank], epoch, g * dp + c.rank % dp,
                         kDispatchRecvKernel);
   }
   finish_launch(c, kDispatchRecvKernel, epoch);

@@ -70,7 +70,7 @@ __device__ __forceinline__ void write_record(const DispatchSendParams& p, uint8_
                  s.num_scales, lane);
 }
 
-template <bool kGeneral>  // false: a direct handle (kernels.h, general_path)
+template <unsigned kPath>  // kernels.h: kDirectOnly or kStagedOnly
 __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) {
   const CommonParams& c = p.c;
   const Shape& s = c.shape;
@@ -108,7 +108,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) 
       if (g == w.lane && first_ack >= epoch - 1) continue;  // loaded above: already there
       const int dst = g * dp + my_member;
       uint64_t seen = 0;
-      const Wait r = wait_ge<kGeneral>(c, &sym.dispatch_ack[dst], epoch - 1, &seen);
+      const Wait r = wait_ge<may_stage(kPath)>(c, &sym.dispatch_ack[dst], epoch - 1, &seen);
       ok &= check_wait(c, r, kPhaseDispatchSend, dst, -1, epoch - 1, seen, kWhatAck);
     }
   }
@@ -152,7 +152,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) 
   // compute-sanitizer when a bad expert index poisoned the handle mid-launch).
   const bool publish_all = __syncthreads_and(publish);
   // Each staged destination's records: one put, whole block.
-  if (kGeneral && publish_all && sym.staged()) {
+  if (may_stage(kPath) && publish_all && sym.staged()) {
     for (int g = 0; g < G; ++g) {
       const int dst = g * dp + my_member;
       const uint32_t count = send_count[g];  // every block's slots are in (is_last_block)
@@ -166,9 +166,9 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p) 
   for (int g = threadIdx.x; g < G; g += blockDim.x) {
     const uint32_t count = one_block ? send_count[g] : atomicExch(&send_count[g], 0u);
     if (publish_all)
-      set_flag<kGeneral>(c, &sym.dispatch_count[my_group],
-                         count_word(epoch, count, s.max_num_tokens), g * dp + my_member,
-                         kDispatchSendKernel);
+      set_flag<may_stage(kPath)>(c, &sym.dispatch_count[my_group],
+                                 count_word(epoch, count, s.max_num_tokens), g * dp + my_member,
+                                 kDispatchSendKernel);
   }
   finish_launch(c, kDispatchSendKernel, epoch);
 }

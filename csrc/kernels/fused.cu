@@ -23,33 +23,35 @@ namespace {
 
 // One block per launch, so no second block per SM to leave registers for (the split kernels'
 // kMinBlocksPerSm cap made the fused dispatch spill).
-// kGeneral: kernels.h, general_path (false: the direct, padded, worst-case instantiation).
-template <bool kGeneral>
+// kPath: kDirectPadded, kDirectPacked or kGeneralPath (kernels.h, PathBits); the send body of
+// dispatch and the recv body of combine read only its staged part.
+template <unsigned kPath>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, 1)
     dispatch_kernel(const __grid_constant__ DispatchSendParams send,
                     const __grid_constant__ DispatchRecvParams recv) {
   wait_for_previous_kernels();
-  dispatch_send_body<kGeneral>(send);
+  dispatch_send_body<staged_part(kPath)>(send);
   __syncthreads();  // thread 0 closed the send launch: the recv body's order check reads it
-  dispatch_recv_body<kGeneral>(recv);
+  dispatch_recv_body<kPath>(recv);
 }
 
-template <typename T, bool kGeneral>
+template <typename T, unsigned kPath>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, 1)
     combine_kernel(const __grid_constant__ CombineSendParams send,
                    const __grid_constant__ CombineRecvParams recv) {
   wait_for_previous_kernels();
-  combine_send_body<kGeneral>(send);
+  combine_send_body<kPath>(send);
   __syncthreads();  // thread 0 closed the send launch: the recv body's order check reads it
-  combine_recv_body<T, kGeneral>(recv);
+  combine_recv_body<T, staged_part(kPath)>(recv);
 }
 
 template <typename T>
 cudaError_t launch_combine_typed(const CombineSendParams& send, const CombineRecvParams& recv,
                                  Launch l, size_t shared, cudaStream_t stream) {
-  if (general_path(send.c))
-    return launch_kernel(combine_kernel<T, true>, l, shared, stream, send, recv);
-  return launch_kernel(combine_kernel<T, false>, l, shared, stream, send, recv);
+  return with_path(launch_path(send.c), [&](auto path) {
+    return launch_kernel(combine_kernel<T, decltype(path)::value>, l, shared, stream, send,
+                         recv);
+  });
 }
 
 }  // namespace
@@ -58,9 +60,9 @@ cudaError_t launch_dispatch(const DispatchSendParams& send, const DispatchRecvPa
                             Launch l, cudaStream_t stream) {
   if (l.num_blocks != 1) return cudaErrorInvalidConfiguration;  // see the top of this file
   const size_t shared = dispatch_recv_shared_bytes(send.c.shape);
-  if (general_path(send.c))
-    return launch_kernel(dispatch_kernel<true>, l, shared, stream, send, recv);
-  return launch_kernel(dispatch_kernel<false>, l, shared, stream, send, recv);
+  return with_path(launch_path(send.c), [&](auto path) {
+    return launch_kernel(dispatch_kernel<decltype(path)::value>, l, shared, stream, send, recv);
+  });
 }
 
 cudaError_t launch_combine(const CombineSendParams& send, const CombineRecvParams& recv,

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "core/error_record.h"
 #include "core/layout.h"
@@ -146,15 +147,59 @@ struct BarrierParams {
   uint64_t* timing_ring;  // [kTimingSamples][kTimingSlots]: finished samples' stamps
 };
 
-// Which instantiation of a body a launch runs (the bodies' template argument kGeneral):
-// false for a handle that is direct (every peer load/store), padded and at the worst case,
-// the decode path: its staged, packed and capacity branches then fold away at compile time.
-// With them as runtime branches the kernels' machine code doubled (505b95c -> f97726a: fused
-// combine 3,752 -> 6,376 SASS instructions) and one cycle at 1 token took ~5 us longer.
-// The same fields the bodies would test, fixed for a handle's life: the direct instantiation
-// never sees a staged, packed or capacity handle.
-inline bool general_path(const CommonParams& c) {
-  return c.sym.staged() || c.shape.packed() || c.shape.can_drop();
+// Which instantiation of a body a launch runs (the bodies' template argument kPath): the
+// families of runtime branches a handle can need, fixed for its life. A family left out of an
+// instantiation folds away at compile time. With every family as runtime branches the kernels'
+// machine code doubled (fused combine 3,752 -> 6,376 SASS instructions) and a 1-token cycle
+// took ~5 us longer, so each path users run at decode sizes has its own instantiation.
+enum PathBits : unsigned {
+  kPathStaged = 1u,    // some peer is not load/store reachable: staged puts, NVSHMEM's hooks
+  kPathPacked = 2u,    // the packed layout (Shape::packed)
+  kPathCapacity = 4u,  // a capacity below the worst case: rows can drop (Shape::can_drop)
+};
+// The instantiations built. Direct: every peer load/store reachable (handle.cc refuses a
+// direct handle with a peer nvshmem_ptr cannot reach).
+constexpr unsigned kDirectPadded = 0u;                            // the padded worst case
+constexpr unsigned kDirectPacked = kPathPacked | kPathCapacity;  // the layer's default handle
+constexpr unsigned kGeneralPath = kPathStaged | kPathPacked | kPathCapacity;  // anything
+
+__host__ __device__ constexpr bool may_stage(unsigned path) { return (path & kPathStaged) != 0; }
+__host__ __device__ constexpr bool may_pack(unsigned path) { return (path & kPathPacked) != 0; }
+__host__ __device__ constexpr bool may_drop(unsigned path) { return (path & kPathCapacity) != 0; }
+// Whether a shape on `path` is packed: kDirectPacked runs packed handles only (launch_path), so
+// there it is a constant and the padded branches fold away too.
+__host__ __device__ inline bool path_packed(unsigned path, const Shape& s) {
+  return path == kDirectPacked || (may_pack(path) && s.packed());
+}
+
+// The built instantiation that covers a handle: its own branch families, widened to one of the
+// three above (a direct padded handle with a capacity takes the general path).
+inline unsigned launch_path(const CommonParams& c) {
+  if (c.sym.staged()) return kGeneralPath;
+  if (c.shape.packed()) return kDirectPacked;
+  return c.shape.can_drop() ? kGeneralPath : kDirectPadded;
+}
+
+// dispatch_send and combine_recv read neither the layout nor the capacity, only whether a peer
+// is staged: they are built for these two paths, which a launch reduces its path to.
+constexpr unsigned kDirectOnly = 0u;
+constexpr unsigned kStagedOnly = kPathStaged;
+__host__ __device__ constexpr unsigned staged_part(unsigned path) { return path & kPathStaged; }
+
+// Calls f(std::integral_constant<unsigned, P>{}) with P the built path equal to `path` (the
+// launchers' switch from a handle's runtime path to a template argument).
+template <typename F>
+cudaError_t with_path(unsigned path, F&& f) {
+  switch (path) {
+    case kDirectPadded: return f(std::integral_constant<unsigned, kDirectPadded>{});
+    case kDirectPacked: return f(std::integral_constant<unsigned, kDirectPacked>{});
+    default: return f(std::integral_constant<unsigned, kGeneralPath>{});
+  }
+}
+template <typename F>
+cudaError_t with_staged_part(unsigned path, F&& f) {
+  if (may_stage(path)) return f(std::integral_constant<unsigned, kStagedOnly>{});
+  return f(std::integral_constant<unsigned, kDirectOnly>{});
 }
 
 // Counters of a one-block launch (the fused ops) live in shared memory instead of the scratch
