@@ -64,3 +64,52 @@ def git_commit() -> str:
                               text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+# -- collective steps (benchmarks whose rows must not crash and whose ranks stay in step) -------
+def short(e: BaseException) -> str:
+    """An exception as one line for a row's error field."""
+    return f"{type(e).__name__}: {e}".strip().replace("\n", " ")[:500]
+
+
+class Sync:
+    """Every rank's JSON payload under a fresh tag: the n-th gather of each rank meets the n-th
+    of every other (the same sequence of calls on every rank), so no tag is ever reused."""
+
+    def __init__(self, prefix: str):
+        self.prefix, self.n = prefix, 0
+
+    def gather(self, name: str, payload) -> list:
+        self.n += 1
+        return [json.loads(v) for v in bootstrap.all_gather(f"{self.prefix}:{self.n}:{name}",
+                                                            json.dumps(payload))]
+
+
+class Attempt:
+    """The phases of one row, on every rank in step: a phase runs only while no rank has
+    failed, and after each one every rank learns whether any failed (the first error wins).
+    The same idea as bench_layer.py's Attempt, with the Sync passed in."""
+
+    def __init__(self, tag: str, sync: Sync):
+        self.tag, self.sync, self.error = tag, sync, ""
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.error)
+
+    def do(self, name: str, fn, *, payload=lambda r: None):
+        """fn() on this rank (unless a rank failed before); returns (fn's result or None, every
+        rank's payload(result)). Collective: every rank calls it, failed or not."""
+        result, mine, err = None, None, ""
+        if not self.failed:
+            try:
+                result = fn()
+                mine = payload(result)
+            except Exception as e:  # noqa: BLE001 -- recorded in the row, never a crash
+                err = short(e)
+        got = self.sync.gather(f"{self.tag}:{name}", [err, mine])
+        if not self.failed:
+            bad = [(r, e) for r, (e, _) in enumerate(got) if e]
+            if bad:
+                self.error = f"{name} on rank {bad[0][0]}: {bad[0][1]}"
+        return result, [m for _, m in got]
