@@ -1,0 +1,158 @@
+"""benchmarks/loop_layer.py (issue 47: our layer timed by one clock, its floor) and
+benchmarks/layer_compare.py: the slope and floor arithmetic as pure functions, the comparison
+table on synthetic rows, and one CPU smoke run of the script (8 emulated devices, the reference
+backend, wall clock), so that the script the GPU session runs once cannot rot."""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+SCRIPT = os.path.join(ROOT, "benchmarks", "loop_layer.py")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import layer_compare  # noqa: E402
+import loop_layer as L  # noqa: E402
+from jax_moe_comm.moe import MoELayerConfig  # noqa: E402
+
+HAS_GATED = "gated" in {f.name for f in dataclasses.fields(MoELayerConfig)}
+
+
+def test_slowest_rank_then_median():
+    # [rank][rep]: rep maxima 5, 7, 9 -> median 7
+    assert L.slowest_median([[5.0, 1.0, 9.0], [2.0, 7.0, 3.0]]) == 7.0
+
+
+def test_fit_per_layer_and_per_iteration():
+    a, b = L.fit_per_layer([(1, 12.0 + 30.0), (4, 12.0 + 120.0), (16, 12.0 + 480.0)])
+    assert a == pytest.approx(12.0) and b == pytest.approx(30.0)
+    assert L.fit_per_layer([(4, 1.0)]) == (None, None)  # one K: no slope
+    assert L.per_iteration([(1, 110.0), (4, 410.0)]) == pytest.approx(100.0)
+    # a slope lost in noise (far below t(N)/N) falls back to t(N)/N, an upper bound
+    assert L.per_iteration([(1, 400.0), (4, 401.0)]) == pytest.approx(401.0 / 4)
+    assert L.per_iteration([]) is None
+
+
+def test_floors_take_the_busiest_ranks_live_weights_and_the_cycle():
+    H, F = 2048, 1408
+    per = L.expert_bytes(H, F, gated=True)
+    assert per == (H * 2 * F + F * H) * 2
+    assert L.expert_bytes(H, F, gated=False) == 2 * H * F * 2
+    counts = np.zeros((2, 16), int)  # 2 layers, 16 experts on 4 ranks (4 each)
+    counts[0, [0, 1, 2, 5]] = 3  # rank 0: 3 live, rank 1: 1
+    counts[1, [4, 5, 6, 7, 8]] = 1  # rank 1: 4 live
+    assert L.busiest_live(counts, world=4) == [3, 4]
+    fl = L.floors(3.5, per, 2 * per, hbm_bps=1e12, comm_us=13.0)
+    assert fl["weight_bytes_busiest"] == int(round(3.5 * per)) + 2 * per
+    assert fl["weight_floor_us"] == pytest.approx(fl["weight_bytes_busiest"] / 1e12 * 1e6)
+    assert fl["floor_us"] == pytest.approx(max(fl["weight_floor_us"], 13.0))
+    assert fl["floor_sum_us"] == pytest.approx(fl["weight_floor_us"] + 13.0)
+    cpu = L.floors(3.0, per, 0, hbm_bps=1e12, comm_us=None)  # no floor kernels: no max
+    assert cpu["weight_floor_us"] is not None and cpu["floor_us"] is None
+    assert L.floors(None, per, 0, 1e12, 13.0)["floor_us"] is None
+    assert L.ratio(30.0, 20.0) == 1.5 and L.ratio(30.0, None) is None
+
+
+def test_check_case_shrinks_only_what_does_not_fit():
+    assert L.check_dims(L.LAYERS["V2Lite"], 3.0) == L.LAYERS["V2Lite"]
+    E, k, H, F = L.check_dims(L.LAYERS["R1"], 3.0)
+    assert (E, k) == (256, 8) and H % 128 == 0 and F % 128 == 0
+    assert E * H * 3 * F * 4 <= 3 * 2**30 and (H, F) == (1792, 512)  # halved twice
+
+
+def test_param_shapes_and_rel_err():
+    s = L.param_shapes((16, 4, 256, 128), gated=True, shared=2)
+    assert s == {"router": (256, 16), "w_in": (16, 256, 256), "w_out": (16, 128, 256),
+                 "shared_in": (256, 512), "shared_out": (256, 256)}
+    assert "shared_in" not in L.param_shapes((16, 4, 256, 128), gated=False, shared=0)
+    ref = np.array([[1.0, -2.0], [10.0, 0.0]])
+    assert L.rel_err(ref + [[0.1, 0.0], [0.0, 0.5]], ref) == pytest.approx(0.05)
+    assert L.rel_err(np.array([[np.nan, 1.0]]), np.ones((1, 2))) == math.inf
+
+
+def test_builds_without_the_fields_say_so():
+    if HAS_GATED:
+        assert L.layer_config(L.LAYERS["tiny"], 4, 2, True).num_shared_experts == 2
+    else:
+        with pytest.raises(NotImplementedError, match="no gated experts"):
+            L.layer_config(L.LAYERS["tiny"], 4, 0, True)
+
+
+def layer_row(config, tokens, variant, per_layer, **kw):
+    return dict(dict(config=config, tokens_per_rank=tokens, variant=variant,
+                     num_shared_experts=0, per_layer_us=per_layer), **kw)
+
+
+def write(path, rows, **header):
+    with open(path, "w") as f:
+        json.dump(dict(header, rows=rows), f)
+    return str(path)
+
+
+def test_compare_joins_graph_rows_and_marks_the_goals(tmp_path):
+    ours = write(tmp_path / "ours.json", [
+        layer_row("R1", 1, "graph", 40.0, floor_us=35.0, weight_floor_us=35.0,
+                  comm_floor_us=13.0, correct=True),
+        layer_row("R1", 1, "fwd+bwd", 150.0, floor_us=35.0, ks=[1, 4],
+                  compiled_programs_by_k=[1, 1], recompiles=0),
+        layer_row("V2Lite", 4, "graph", 30.0, floor_us=20.0, correct=True),
+        layer_row("V2Lite", 4, "graph", 99.0),  # a duplicate key: the first row is kept
+        layer_row("V2Lite", 16, "graph", None, error="boom")],  # no figure: left out
+        commit="abc", gpu="H100", world=8)
+    pplx = write(tmp_path / "pplx.json", [
+        layer_row("R1", 1, "graph", 60.0, weight_floor_us=33.0, correct=True,
+                  method="pplx_torch_layer"),
+        layer_row("V2Lite", 4, "graph", 25.0, method="pplx_torch_layer")], commit="12cecfd")
+    out = tmp_path / "cmp.md"
+    assert layer_compare.main(str(out), f"ours={ours}", f"pplx={pplx}") == 0
+    text = out.read_text()
+    lines = [ln for ln in text.splitlines() if ln.startswith("| ")]
+    v2 = next(ln for ln in lines if ln.startswith("| V2-Lite | 4 |"))
+    r1 = next(ln for ln in lines if ln.startswith("| R1 | 1 | 0 | 40.0"))
+    assert v2.startswith("| V2-Lite | 4 | 0 | 30.0 | 25.0 | 1.20 | 20.0 |")
+    assert "| no | no |" in v2  # 1.20 > 0.8 and 1.50 > 1.25
+    assert r1.startswith("| R1 | 1 | 0 | 40.0 | 60.0 | 0.67 | 35.0 | 35.0 / 13.0 | 33.0 | 1.14 "
+                         "| yes | yes |")
+    assert not any(ln.startswith("| V2-Lite | 16 |") for ln in lines)
+    assert "| R1 | 1 | 0 | 150.0 | 40.0 | 3.75 | 35.0 | K=1: 1, K=4: 1 | 0 |" in text
+    assert layer_compare.main(str(out), f"ours={ours}") == 2  # pplx is required
+
+
+def test_smoke_run_on_cpu(tmp_path):
+    """The whole script, tiny config, 4 tokens, K = 1, 2, one repetition: every row written,
+    timed by the wall clock, checked against the oracle, with its floor fields."""
+    out = tmp_path / "layer_ours.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    cmd = [sys.executable, SCRIPT, "--configs", "tiny", "--tokens", "4", "--ks", "1,2",
+           "--reps", "1", "--warmup", "0", "--hbm-n", "2", "--out", str(out)]
+    if not HAS_GATED:  # this build's layer has no gated experts: time the plain ones
+        cmd.append("--ungated")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
+                       cwd=str(tmp_path), check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    run = json.loads(out.read_text())
+    assert run["finished"] and run["clock"] == "wall" and run["world"] == 8
+    assert run["backend"] == "reference" and run["expert_gemm"] == "einsum"
+    rows = run["rows"]
+    assert [r["variant"] for r in rows] == ["graph", "fwd+bwd"]
+    for row in rows:
+        assert row["status"] == "ok", row
+        assert row["method"] == "jax_moe_comm_layer" and row["dispatch_dtype"] == "fp8_e4m3"
+        assert row["layout"] == "packed" and row["clock"] == "wall"
+        assert row["ks"] == [1, 2] and len(row["elapsed_us"]) == 2
+        assert all(math.isfinite(v) and v > 0 for v in row["elapsed_us"])
+        assert math.isfinite(row["per_layer_us"]) and math.isfinite(row["intercept_us"])
+        # one XLA program per K, the same for every K, none compiled again by later calls
+        assert row["compiled_programs_by_k"] == [1, 1] and row["recompiles"] == 0
+        assert row["correct"] is True and row["max_rel_err"] <= 3e-2, row
+        assert row["oracle"] == ("layer_oracle" if HAS_GATED and os.path.exists(
+            os.path.join(ROOT, "benchmarks", "layer_oracle.py")) else "moe.dense_forward")
+        assert 1 <= row["busiest_rank_live_experts"] <= row["local_experts"]
+        assert row["hbm_bytes_per_s"] > 0 and row["weight_floor_us"] > 0
+        assert row["comm_floor_us"] is None and row["floor_us"] is None  # no floor kernels
+    assert rows[1]["loop_input"] == "output"
