@@ -54,7 +54,8 @@ tokamax_site() {  # tokamax and what it needs, carried as wheels in .whl/ (no re
   fi
 }
 echo "== commit ${GIT_COMMIT:?set GIT_COMMIT}, $(date -u +%FT%TZ)"
-bash "$ROOT/scripts/gpu_build.sh" || exit 1
+# SKIP_BUILD=1: a caller (gpu_layer_headline.sh) built this tree already
+[ "${SKIP_BUILD:-0}" = 1 ] || bash "$ROOT/scripts/gpu_build.sh" || exit 1
 cd /tmp
 # STEPS picks and orders the steps (default: the list below without the soak and sanitizers).
 STEPS=${STEPS:-suite_n2 server_n2 server_n8 suite_n8 protocol_n4 flax_n8 parity_n2 decode_n8}
