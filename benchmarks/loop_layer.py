@@ -23,8 +23,11 @@ What is measured, per (config, tokens per rank, S, variant):
   to 1.2-1.3x the mean after the first layer; the floor below is computed from those very
   inputs). --loop-input first: every layer reads the first x again, tied to the previous
   layer's output by order_after (every layer routes as the first). Every layer reads the same
-  weights (one copy per rank: R1's do not fit K times), so HBM, not L2, serves them. XLA
-  records every program as a graph (--xla_gpu_graph_min_graph_size=1, as bench_loop.py).
+  weights (one copy per rank: R1's do not fit K times; larger than L2 where many experts are
+  live), each through an optimization barrier of its own (layer_params), so that no op on the
+  weights alone is computed once for all K layers. XLA records every program as a graph
+  (--xla_gpu_graph_min_graph_size=1, as bench_loop.py); hlo_copy_bytes_by_k: the bytes of the
+  compiled program's copy instructions (a weight copied per layer would show there).
 - variant "graph": the forward layers. Variant "fwd+bwd": jax.value_and_grad of
   sum(y_K * x) over the same chained layers on a differentiable handle, w.r.t. x and every
   layer's expert weights (w_in, w_out). The layers share one weight copy, so each layer's
@@ -80,6 +83,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import socket
 import statistics
 import sys
@@ -295,6 +299,32 @@ def _sink_bwd(_, g):
 grad_sink.defvjp(_sink_fwd, _sink_bwd)
 
 
+def layer_params(p: dict, n, j: int) -> dict:
+    """Layer j's own view of the one weight copy every layer reads: the parameters through an
+    optimization barrier with n + j (n: the ticket after event 0). A real model's layers have
+    their own weights; here, without it, XLA would compute once per call (and CSE across the
+    K layers) any op on the weights alone (a cast, a transpose for a backward GEMM), which a
+    model pays per layer. The barrier copies nothing (its outputs alias its inputs) and ties
+    such ops after event 0, not to the layer's input."""
+    names = sorted(p)
+    out = jax.lax.optimization_barrier(tuple(p[k] for k in names) + (n + j,))
+    return dict(zip(names, out[:-1]))
+
+
+_COPY = re.compile(r"= (\w+)\[([\d,]*)\][^ ]* copy\(")
+_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "f8e4m3fn": 1,
+          "pred": 1, "f64": 8, "s64": 8}
+
+
+def copy_bytes(hlo_text: str) -> int:
+    """Bytes written by the copy instructions of a compiled program's text (a weight copied
+    per layer would show here: a diagnostic, not a figure)."""
+    total = 0
+    for dtype, dims in _COPY.findall(hlo_text):
+        total += _BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
 def renorm(y):
     """RMS-normalise each row (zero rows stay zero), as bench_layer's loop does: the next
     layer's input keeps the first one's scale, so routing stays spread however many layers."""
@@ -482,6 +512,7 @@ class Bench:
         says why); the handle is then suspect. Collective."""
         att = Attempt(name, self.sync)
         points, compiles, recompiles = {}, {}, 0
+        copies = self.copies = {}  # K -> bytes of copy instructions in the compiled program
         for K in ks:
             if self.elapsed_all() > self.args.budget_s:
                 errors[K] = f"skipped: past the {self.args.budget_s:.0f} s budget"
@@ -494,7 +525,8 @@ class Bench:
                 return compiled, COMPILES[0] - c0
 
             got, info = att.do(f"K{K}:compile", compile_,
-                               payload=lambda r: [r[1], memory_need(r[0])])
+                               payload=lambda r: [r[1], memory_need(r[0]),
+                                                  copy_bytes(r[0].as_text() or "")])
             if att.failed:
                 errors[K] = att.error
                 break
@@ -533,6 +565,7 @@ class Bench:
             more = max(self.sync.gather(f"{name}:K{K}:recompiles", COMPILES[0] - c0))
             points[K] = slowest_median([list(col) for col in zip(*times)])
             compiles[K] = max(i[0] for i in info)
+            copies[K] = max(i[2] for i in info)
             # a compile in the first call (the AOT program was not the one called), or in a
             # timed or warm-up call after it, is a program the step needs again
             recompiles += max(first) + more
@@ -545,8 +578,8 @@ class Bench:
             def per_rank(p, x, n):
                 n = self.start(a2a.backend, n.reshape(()))
                 h = x = order_after(x, n)
-                for _ in range(K):
-                    y = moe_forward(a2a, cfg, p, h, n)
+                for j in range(K):
+                    y = moe_forward(a2a, cfg, layer_params(p, n, j), h, n)
                     h = renorm(y) if mode == "output" else order_after(x, y)
                 return self.stop(n, y), y
 
@@ -564,8 +597,9 @@ class Bench:
 
                 def loss(s, h):
                     for j in range(K):
-                        pj = dict(p, w_in=grad_sink(p["w_in"], s[j]),
-                                  w_out=grad_sink(p["w_out"], s[j]))
+                        pj = layer_params(p, n, j)
+                        pj.update(w_in=grad_sink(pj["w_in"], s[j]),
+                                  w_out=grad_sink(pj["w_out"], s[j]))
                         h = renorm(moe_forward(a2a, cfg, pj, h, n))
                     return jnp.sum(h.astype(f32) * x.astype(f32))
 
@@ -785,7 +819,8 @@ class Bench:
                        compiled_programs_by_k=[compiles[K] for K in ks],
                        compiled_programs=compiles[ks[-1]] if ks else None,
                        compiled_programs_constant=len(set(compiles.values())) == 1 if ks
-                       else None, recompiles=recompiles)
+                       else None, recompiles=recompiles,
+                       hlo_copy_bytes_by_k=[self.copies.get(K) for K in ks])
             a, b = fit_per_layer([(K, points[K]) for K in ks])
             row.update(intercept_us=None if a is None else round(a, 2),
                        per_layer_us=None if b is None else round(b, 2))
