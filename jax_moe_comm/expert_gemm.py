@@ -1,7 +1,9 @@
 """The expert MLPs after dispatch, one function per grouped-GEMM option (issue 24).
 
 Every local expert e is a SiLU MLP, y = silu(x @ w_in[e]) @ w_out[e] over its own rows (bf16
-inputs, f32 accumulation, the hidden activation rounded to bf16). The MoE layer's
+inputs, f32 accumulation, the hidden activation rounded to bf16), or with gated=True a
+SiLU-gated one (DeepSeek's): w_in[e] [H, 2F], columns [0:F] the gate and [F:2F] the up
+projection, y = (silu(x @ gate) * (x @ up)) @ w_out[e] (activation.py). The MoE layer's
 `expert_gemm` option (MoELayerConfig(expert_gemm=...)) says how the two GEMMs run:
 
 - "einsum": a batched einsum over the padded layout [L, P, H]: every one of the L*P rows,
@@ -15,7 +17,9 @@ inputs, f32 accumulation, the hidden activation rounded to bf16). The MoE layer'
 - "tokamax": tokamax's ragged_dot on the packed rows (`pip install tokamax`): a grouped GEMM
   over the live rows only (its Pallas Mosaic GPU kernel on Hopper; tokamax falls back to XLA's
   ragged_dot where it has no kernel, e.g. on CPU). SiLU is fused into the first GEMM's
-  epilogue where tokamax can. Output rows past sum(group_sizes) are not written (undefined);
+  epilogue where tokamax can; gated, the first GEMM writes its f32 [T, 2F] and XLA forms the
+  gated hidden (the gate and up columns of a row lie in different output tiles: no
+  elementwise epilogue sees both). Output rows past sum(group_sizes) are not written (undefined);
   combine never reads them. Its backward is grouped_vjp's (tokamax's kernels for d x, XLA's
   batched GEMM over a window of rows per expert for the weights). Which of tokamax's kernels:
   tokamax_mlp(implementation=) or JMC_TOKAMAX_IMPL where either names one (tokamax's names,
@@ -47,6 +51,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from . import activation as act
 from . import grouped_vjp
 from .api import pack_rows, unpack_rows
 
@@ -140,20 +145,22 @@ def resolve(option: str = "auto", platform: str | None = None, layout: str = "pa
 
 
 # -- one function per option, each on its own layout ------------------------------------------
-def einsum_mlp(x, w_in, w_out, out_dtype=f32):
+def einsum_mlp(x, w_in, w_out, out_dtype=f32, gated=False):
     """"einsum": padded x [L, P, H] -> [L, P, H], every row computed (P: the handle's
-    expert_capacity)."""
-    h = jax.nn.silu(jnp.einsum("lrh,lhf->lrf", x, w_in, preferred_element_type=f32))
-    y = jnp.einsum("lrf,lfh->lrh", h.astype(bf16), w_out, preferred_element_type=f32)
+    expert_capacity). w_in [L, H, F] ([L, H, 2F] gated), w_out [L, F, H]."""
+    pre = jnp.einsum("lrh,lhn->lrn", x, w_in, preferred_element_type=f32)
+    h = act.hidden(pre, gated).astype(bf16)
+    y = jnp.einsum("lrf,lfh->lrh", h, w_out, preferred_element_type=f32)
     return y.astype(out_dtype)
 
 
-def ragged_dot_mlp(x, group_sizes, w_in, w_out, out_dtype=f32):
+def ragged_dot_mlp(x, group_sizes, w_in, w_out, out_dtype=f32, gated=False):
     """"ragged_dot": packed x [T, H] (group_sizes [L] rows per expert) -> [T, H]; rows past
-    sum(group_sizes) are zero."""
+    sum(group_sizes) are zero. Weights as einsum_mlp's."""
     gs = group_sizes.astype(jnp.int32)
-    h = jax.nn.silu(jax.lax.ragged_dot(x, w_in, gs, preferred_element_type=f32))
-    y = jax.lax.ragged_dot(h.astype(bf16), w_out, gs, preferred_element_type=f32)
+    pre = jax.lax.ragged_dot(x, w_in, gs, preferred_element_type=f32)
+    h = act.hidden(pre, gated).astype(bf16)
+    y = jax.lax.ragged_dot(h, w_out, gs, preferred_element_type=f32)
     return y.astype(out_dtype)
 
 
@@ -389,15 +396,21 @@ def _tokamax_dot(implementation=None):
     return dot
 
 
-def _tokamax_forward(x, group_sizes, w_in, w_out, out_dtype, implementation=None):
-    """The forward on tokamax's kernels, SiLU fused into the first GEMM's epilogue (in f32 on
-    the accumulator, then bf16: what einsum_mlp does)."""
+def _tokamax_forward(x, group_sizes, w_in, w_out, out_dtype, gated=False, implementation=None):
+    """The forward on tokamax's kernels. Not gated: SiLU fused into the first GEMM's epilogue
+    (in f32 on the accumulator, then bf16: what einsum_mlp does). Gated: the first GEMM's f32
+    output [T, 2F], then the gated hidden by XLA (one elementwise fusion over the rows; rows
+    past sum(group_sizes) are undefined there too, and the second GEMM reads none of them)."""
     tk = _require_tokamax()
     implementation = _tokamax_implementation(implementation)
     kw = {} if implementation is None else {"implementation": implementation}
     try:
-        h = tk.ragged_dot(x, w_in, group_sizes, preferred_element_type=bf16,
-                          activation=jax.nn.silu, **kw)
+        if gated:
+            pre = tk.ragged_dot(x, w_in, group_sizes, preferred_element_type=f32, **kw)
+            h = act.hidden(pre, True).astype(bf16)
+        else:
+            h = tk.ragged_dot(x, w_in, group_sizes, preferred_element_type=bf16,
+                              activation=jax.nn.silu, **kw)
         y = tk.ragged_dot(_vary_like(h, x, w_in), w_out, group_sizes,
                           preferred_element_type=out_dtype, **kw)
         return _vary_like(y, x, w_in, w_out)
@@ -432,9 +445,9 @@ def grad_window_for(rows: int, num_local_experts: int, mean_rows: int | None = N
 
 def tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype=f32, implementation=None,
                 grad_window: int | None = None, wgrad: str = "windows",
-                mean_rows: int | None = None):
+                mean_rows: int | None = None, gated: bool = False):
     """"tokamax": packed x [T, H] -> [T, H] through tokamax's grouped GEMM; rows past
-    sum(group_sizes) are undefined. implementation: tokamax's (TOKAMAX_OWN_CHOICE: its own
+    sum(group_sizes) are undefined. Weights as einsum_mlp's (gated: w_in [L, H, 2F]). implementation: tokamax's (TOKAMAX_OWN_CHOICE: its own
     choice); None: JMC_TOKAMAX_IMPL if set, else the tile for mean_rows, the expected rows per
     local expert (layer_tokamax_spec; None: tokamax's own choice).
     Differentiable through grouped_vjp (not tokamax's own VJP, whose weight gradients were
@@ -453,15 +466,16 @@ def tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype=f32, implementation=None,
     primal = _tokamax_primal(implementation)
     return grouped_vjp.grouped_mlp(x, group_sizes.astype(jnp.int32), w_in, w_out,
                                    jnp.dtype(out_dtype), _tokamax_dot(implementation), primal,
-                                   int(window), wgrad)
+                                   int(window), wgrad, bool(gated))
 
 
-def _grouped_mlp(x, group_sizes, w_in, w_out, out_dtype, grad_window=None, mean_rows=None):
+def _grouped_mlp(x, group_sizes, w_in, w_out, out_dtype, grad_window=None, mean_rows=None,
+                 gated=False):
     """The grouped GEMM under "masked": tokamax's when it imports, else XLA's ragged_dot."""
     if tokamax_problem() is None:
         return tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype, grad_window=grad_window,
-                           mean_rows=mean_rows)
-    return ragged_dot_mlp(x, group_sizes, w_in, w_out, out_dtype)
+                           mean_rows=mean_rows, gated=gated)
+    return ragged_dot_mlp(x, group_sizes, w_in, w_out, out_dtype, gated)
 
 
 def masked_inner() -> str:
@@ -470,11 +484,14 @@ def masked_inner() -> str:
 
 
 def masked_mlp(x, counts, w_in, w_out, out_dtype=f32, total_rows: int | None = None,
-               grad_window: int | None = None, mean_rows: int | None = None):
+               grad_window: int | None = None, mean_rows: int | None = None,
+               gated: bool = False):
     """"masked": padded x [L, R, H] -> [L, R, H], only rows r < counts[e] computed (zero past
     them): gathered into a packed view of total_rows rows (default L*R; pass the most that can
-    be live, MoEConfig.max_recv_total), one grouped GEMM, scattered back."""
-    fn = functools.partial(_grouped_mlp, grad_window=grad_window, mean_rows=mean_rows)
+    be live, MoEConfig.max_recv_total), one grouped GEMM, scattered back. Weights as
+    einsum_mlp's."""
+    fn = functools.partial(_grouped_mlp, grad_window=grad_window, mean_rows=mean_rows,
+                           gated=gated)
     return _via_packed(fn, x, counts, w_in, w_out, out_dtype, total_rows)
 
 
@@ -539,13 +556,14 @@ def bucketed_mlp(fn, x, group_sizes, w_in, w_out, out_dtype, buckets):
 def expert_mlp(x, counts, w_in, w_out, option: str = "auto", *, out_dtype=f32,
                rows_per_expert: int | None = None, total_rows: int | None = None,
                grad_window: int | None = None, row_buckets=None,
-               mean_rows: int | None = None):
+               mean_rows: int | None = None, gated: bool = False):
     """This rank's experts on dispatch's rows, in x's layout, through `option` (OPTIONS).
 
     x: padded [L, P, H] (P rows per expert: the handle's expert_capacity; row r of expert e
     live for r < counts[e]) or packed [T, H] (expert 0's rows, then 1's, ...; counts =
-    group_sizes), bf16. w_in [L, H, F], w_out [L, F, H] bf16. Returns [L, P, H] or [T, H] in
-    out_dtype; only the live rows are defined.
+    group_sizes), bf16. w_in [L, H, F] (gated: [L, H, 2F], gate columns [0:F], up [F:2F]),
+    w_out [L, F, H] bf16. Returns [L, P, H] or [T, H] in out_dtype; only the live rows are
+    defined.
     rows_per_expert (packed x: the most rows one expert can hold, min(T, max_recv_tokens))
     and total_rows (padded x: the most live rows in all, min(L*P, max_recv_total)) size the
     other layout when the option converts (defaults: T, and L*P). grad_window: rows per expert
@@ -559,6 +577,7 @@ def expert_mlp(x, counts, w_in, w_out, option: str = "auto", *, out_dtype=f32,
     """
     requested = option
     option = resolve(option, layout="padded" if x.ndim == 3 else "packed")
+    act.check_weights(w_in, w_out, gated)
     if row_buckets and requested == "auto" and option == "einsum":
         row_buckets = None  # the platform's choice has no packed GEMM to cut
     if row_buckets:
@@ -572,24 +591,24 @@ def expert_mlp(x, counts, w_in, w_out, option: str = "auto", *, out_dtype=f32,
         def on_rows(xb, gs, wi, wo, od):  # the option on a bucket's rows (window <= rows)
             window = min(grad_window, xb.shape[0]) if grad_window else None
             return expert_mlp(xb, gs, wi, wo, option, out_dtype=od, grad_window=window,
-                              mean_rows=mean_rows)
+                              mean_rows=mean_rows, gated=gated)
 
         return bucketed_mlp(on_rows, x, counts, w_in, w_out, out_dtype, buckets)
     packed_fn = _grouped_mlp if option == "masked" else _PACKED_FNS.get(option)
+    if option in ("masked", "tokamax"):  # the window reaches the backward
+        packed_fn = functools.partial(packed_fn, grad_window=grad_window, mean_rows=mean_rows,
+                                      gated=gated)
+    elif packed_fn is not None:
+        packed_fn = functools.partial(packed_fn, gated=gated)
     if x.ndim == 3:  # padded
         if option == "einsum":
-            return einsum_mlp(x, w_in, w_out, out_dtype)
-        if option in ("masked", "tokamax"):  # the window reaches the backward
-            packed_fn = functools.partial(packed_fn, grad_window=grad_window,
-                                          mean_rows=mean_rows)
+            return einsum_mlp(x, w_in, w_out, out_dtype, gated)
         return _via_packed(packed_fn, x, counts, w_in, w_out, out_dtype, total_rows)
     if option == "einsum":  # packed rows through the padded einsum, and back
         padded = unpack_rows(x, counts, rows_per_expert or x.shape[0])
-        return pack_rows(einsum_mlp(padded, w_in, w_out, out_dtype), counts, x.shape[0])
-    if option in ("masked", "tokamax"):  # "masked" on packed rows: no gather
-        return packed_fn(x, counts, w_in, w_out, out_dtype, grad_window=grad_window,
-                         mean_rows=mean_rows)
-    return packed_fn(x, counts, w_in, w_out, out_dtype)
+        return pack_rows(einsum_mlp(padded, w_in, w_out, out_dtype, gated), counts,
+                         x.shape[0])
+    return packed_fn(x, counts, w_in, w_out, out_dtype)  # "masked" on packed rows: no gather
 
 
 _PACKED_FNS = {"ragged_dot": ragged_dot_mlp, "tokamax": tokamax_mlp}

@@ -6,7 +6,8 @@ gave weight gradients 0.45-0.73 wrong at 768-1024 packed rows (bench_gemm, 2026-
 right being 96), and it refuses shard_map's varying manual axes. Here the MLP's VJP is ours:
 
 - d h and d x: the same forward grouped GEMM on the transposed weights (tokamax's forward
-  kernel, the part measured right);
+  kernel, the part measured right); d pre from d h by activation.hidden_vjp (SiLU, or the
+  SiLU-gated activation: w_in [L, H, 2F], gate columns [0:F], up [F:2F]);
 - d w_in and d w_out ("weight gradients": for every expert e, a_e^T @ b_e over its rows) through
   XLA's batched GEMM on a window of `window` rows per expert (one cuBLAS call over L * window
   rows): an expert with more rows than the window takes a loop over window-sized chunks instead
@@ -29,6 +30,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from . import activation as act
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 
@@ -56,11 +59,6 @@ def xla_ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers,
     """jax.lax.ragged_dot_general (XLA's lowering), in the signature grouped_mlp takes."""
     return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers,
                                       preferred_element_type=preferred_element_type)
-
-
-def _silu_grad(pre):
-    s = jax.nn.sigmoid(pre)
-    return s * (1 + pre * (1 - s))
 
 
 def _group_starts(group_sizes):
@@ -141,33 +139,35 @@ def _weight_grad(a, b, gs, dot, window, wgrad, out_dtype):
     return weight_grad_windows(a, b, gs, window, out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def grouped_mlp(x, group_sizes, w_in, w_out, out_dtype, dot, primal, window, wgrad):
-    """y = silu(x @ w_in[e]) @ w_out[e] on packed rows x [T, H] (group_sizes [L]), the hidden
-    activation rounded to bf16; [T, H] in out_dtype.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def grouped_mlp(x, group_sizes, w_in, w_out, out_dtype, dot, primal, window, wgrad,
+                gated=False):
+    """y = act(x @ w_in[e]) @ w_out[e] on packed rows x [T, H] (group_sizes [L]), the hidden
+    activation rounded to bf16; [T, H] in out_dtype. act: SiLU, or with `gated` the SiLU-gated
+    activation of w_in [L, H, 2F] (activation.py); w_out [L, F, H].
 
     dot: the grouped GEMM (ragged_dot_general's signature) for the backward and for the
-    forward under differentiation; primal: (x, group_sizes, w_in, w_out, out_dtype) -> y, the
-    forward when not differentiated (e.g. tokamax with SiLU fused). window: rows per expert of
-    the weight gradients' batched GEMM (expert_gemm.grad_window_for: 2x the mean, >= 64);
-    wgrad: WGRAD."""
-    return primal(x, group_sizes, w_in, w_out, out_dtype)
+    forward under differentiation; primal: (x, group_sizes, w_in, w_out, out_dtype, gated) ->
+    y, the forward when not differentiated (e.g. tokamax with SiLU fused). window: rows per
+    expert of the weight gradients' batched GEMM (expert_gemm.grad_window_for: 2x the mean,
+    >= 64); wgrad: WGRAD."""
+    return primal(x, group_sizes, w_in, w_out, out_dtype, gated)
 
 
-def _fwd(x, group_sizes, w_in, w_out, out_dtype, dot, primal, window, wgrad):
+def _fwd(x, group_sizes, w_in, w_out, out_dtype, dot, primal, window, wgrad, gated):
     gs = group_sizes.astype(jnp.int32)
     pre = dot(x, w_in, gs, ROWS, preferred_element_type=f32)
-    h = jax.nn.silu(pre).astype(bf16)
+    h = act.hidden(pre, gated).astype(bf16)
     y = dot(h, w_out, gs, ROWS, preferred_element_type=out_dtype)
     return y, (x, gs, w_in, w_out, pre, h)
 
 
-def _bwd(out_dtype, dot, primal, window, wgrad, res, dy):
+def _bwd(out_dtype, dot, primal, window, wgrad, gated, res, dy):
     x, gs, w_in, w_out, pre, h = res
     live = jnp.arange(x.shape[0]) < jnp.sum(gs)
     dy = jnp.where(live[:, None], dy, 0).astype(bf16)  # rows past the live ones: no gradient
     dh = dot(dy, w_out, gs, ROWS_TRANS_RHS, preferred_element_type=f32)
-    dpre = (dh * _silu_grad(pre)).astype(bf16)
+    dpre = act.hidden_vjp(pre, dh, gated).astype(bf16)
     dx = dot(dpre, w_in, gs, ROWS_TRANS_RHS, preferred_element_type=f32)
     dx = jnp.where(live[:, None], dx, 0).astype(x.dtype)
     dw_in = _weight_grad(x, dpre, gs, dot, window, wgrad, w_in.dtype)
