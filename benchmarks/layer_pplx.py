@@ -286,6 +286,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--shared-experts", default="0", help="S shared experts, comma list (rows each)")
     p.add_argument("--loop-input", choices=LOOP_INPUTS, default="first",
                    help="first: every layer reads the same x; output: the last output, RMS-normalised")
+    # 8: insurance. torch._grouped_mm's setup kernel asserts on the device that group sizes
+    # are multiples of 16 bytes / element for its 2D x 2D and 3D x 2D forms (GroupMMCommon.cuh)
+    # and on none for ours (2D x 3D, row-major A); a device assert would end the one run, while
+    # 8 rows cost at most 7 zero rows per expert inside GEMM tiles of 64-128 rows.
     p.add_argument("--group-align", type=int, default=8,
                    help="rows each expert's packed group is rounded up to (1: none)")
     p.add_argument("--seed", type=int, default=0)
@@ -814,7 +818,9 @@ def rank_main(args: argparse.Namespace) -> int:
         return 1
     dev_index = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
     torch.cuda.set_device(dev_index)
-    dev = torch.device("cuda", dev_index)
+    # PPLX_BENCH_DEVICE=cpu only for a dry run without a GPU (tests/test_layer_pplx.py: a
+    # stand-in pplx_kernels and torch.cuda stubs), as loop_pplx; real runs always use cuda.
+    dev = torch.device(os.environ.get("PPLX_BENCH_DEVICE", "cuda"), dev_index)
     torch.backends.cuda.matmul.allow_tf32 = False  # the router's f32 logits in full f32
     torch.backends.cudnn.allow_tf32 = False
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
