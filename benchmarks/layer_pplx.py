@@ -22,7 +22,8 @@ local experts; P = T*world rows per local expert in pplx's padded buffers):
   3. the expert MLPs over the live rows with torch._grouped_mm (bf16, f32 accumulation): the
      live rows are compacted into a packed [M, H] bf16 buffer (gathered and dequantized), each
      expert's rows contiguous from offs[e-1] (counts rounded up to --group-align rows; the
-     padding rows read a zero row), M = packed_rows_bound (the worst case), the gather index
+     padding rows read a zero row), M = packed_rows_bound (the worst case; --capacity-factor f:
+     f x the mean, rows past it dropped and the row marked incorrect), the gather index
      computed on the device from cumsum(counts) (compaction_index), rows past the live total
      pointing at the zero row; pre = grouped_mm(x, w_in [L, H, 2F]) (gate [:F], up [F:]),
      h = silu(gate) * up (bf16), out = grouped_mm(h, w_out [L, F, H]), scattered back into
@@ -63,15 +64,16 @@ output after the timed layers equals the first one's.
 
 Output (--out, default $OUT/layer_pplx.json; rewritten after every case): {tool, gpu,
 gpu_count, world, commit (pplx's), date, command, torch, grouped_gemm, hbm_*, mps_share, ks,
-reps, warmup, loop_input, group_align, tol, in_progress, error, rows: [...]}; rows {method:
-"pplx_torch_layer", config, num_experts, experts_per_token, hidden, ffn, num_shared_experts,
-gated: true, tokens_per_rank, dispatch_dtype: "fp8_e4m3", variant, per_layer_us,
-intercept_us, ks, elapsed_us (per K, aligned with ks), elapsed_per_layer_us,
-per_rank_elapsed_us, floor_us, weight_floor_us, comm_floor_us, hbm_bytes_per_s,
-busiest_rank_live_experts, weight_bytes_busiest, live_experts_per_rank, live_rows_per_rank,
-packed_rows_bound, group_align, grouped_gemm, loop_input, correct, max_rel_err, check_tokens,
-route_mismatch_tokens, correct_after, note}. Rank 0 prints a markdown table. Cases past
---budget-s are recorded as skipped rows.
+reps, warmup, loop_input, group_align, capacity_factor, tol, budget_s, in_progress, error,
+rows: [...]}; rows {method: "pplx_torch_layer", config, num_experts, experts_per_token,
+hidden, ffn, num_shared_experts, gated: true, tokens_per_rank, dispatch_dtype: "fp8_e4m3",
+variant, per_layer_us, intercept_us, ks, elapsed_us (per K, aligned with ks),
+elapsed_per_layer_us, per_rank_elapsed_us, floor_us, weight_floor_us, comm_floor_us,
+hbm_bytes_per_s, busiest_rank_live_experts, weight_bytes_busiest, live_experts_per_rank,
+live_rows_per_rank, packed_rows_bound (M), packed_rows_needed, capacity_factor, group_align,
+grouped_gemm, loop_input, correct, max_rel_err, check_tokens, check_source,
+route_mismatch_tokens, config_check, correct_after, note}. Rank 0 prints a markdown table.
+Cases past --budget-s are recorded as skipped rows (per_layer_us null, note says so).
 """
 
 from __future__ import annotations
@@ -112,6 +114,24 @@ def packed_rows_bound(num_local_experts: int, k: int, tokens_per_rank: int, num_
     most align - 1 rows to each of at most min(L, live) groups."""
     live = min(num_local_experts, k) * tokens_per_rank * num_dp
     return live + min(num_local_experts, live) * (align - 1)
+
+
+def packed_rows(num_local_experts: int, k: int, tokens_per_rank: int, num_dp: int, world: int,
+                align: int, capacity_factor: float | None) -> int:
+    """The packed buffer's static rows M: the worst case (capacity_factor None), else
+    capacity_factor times the mean live rows per rank under uniform routing (T * num_dp * k
+    / world) plus every expert's alignment padding, never past the worst case. Rows past M
+    are dropped (the row says so: packed_rows_needed > packed_rows_bound)."""
+    worst = packed_rows_bound(num_local_experts, k, tokens_per_rank, num_dp, align)
+    if capacity_factor is None:
+        return worst
+    mean = tokens_per_rank * num_dp * k / world
+    return min(worst, math.ceil(capacity_factor * mean) + num_local_experts * (align - 1))
+
+
+def packed_rows_needed(counts, align: int) -> int:
+    """Packed rows one rank's counts fill: every expert's rows rounded up to align."""
+    return int(sum((int(c) + align - 1) // align * align for c in counts))
 
 
 def compaction_index(counts, rows, rows_per_expert: int, align: int):
@@ -292,6 +312,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     # 8 rows cost at most 7 zero rows per expert inside GEMM tiles of 64-128 rows.
     p.add_argument("--group-align", type=int, default=8,
                    help="rows each expert's packed group is rounded up to (1: none)")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="packed rows = this x the mean live rows per rank (default: the worst "
+                        "case, nothing dropped); rows past it are dropped and the row says so")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check-tokens", type=int, default=2, help="tokens per rank of the check case")
     p.add_argument("--check-gflop", type=float, default=50.0,
@@ -324,6 +347,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--variants: comma list of {', '.join(VARIANTS)} (got {bad or 'none'})")
     if args.reps < 1 or args.warmup < 0 or args.group_align < 1 or args.check_tokens < 1:
         p.error("--reps >= 1, --warmup >= 0, --group-align >= 1, --check-tokens >= 1")
+    if args.capacity_factor is not None and not args.capacity_factor > 0:
+        p.error("--capacity-factor > 0")
     return args
 
 
@@ -419,14 +444,14 @@ class PplxLayer:
     """The layer on one pplx handle: buffers sized for T tokens per rank, forward(x) -> y."""
 
     def __init__(self, torch, ata, w: ConfigWeights, T: int, num_dp: int, dev, align: int,
-                 gemm: str) -> None:
+                 gemm: str, capacity_factor: float | None = None) -> None:
         self.torch, self.ata, self.w = torch, ata, w
         self.T, self.L, self.H, self.F, self.k = T, w.L, w.H, w.F, w.k
         self.S_blocks = w.H // BLOCK
         self.P = T * num_dp  # rows per local expert in pplx's padded buffers
         self.align = align
         self.gemm = gemm  # "grouped" or "bmm"
-        self.M = packed_rows_bound(self.L, self.k, T, num_dp, align)
+        self.M = packed_rows(self.L, self.k, T, num_dp, num_dp, align, capacity_factor)
         n = self.L * self.P  # padded rows; row n is the sink (zero for the gather)
         fp8 = torch.float8_e4m3fn
         self.ex_flat = torch.zeros((n + 1, self.H), dtype=torch.uint8, device=dev).view(fp8)
@@ -480,7 +505,7 @@ class PplxLayer:
             torch.bmm(h, w.w_out, out=self.ey)
             return
         src, ends = compaction_index(self.counts, self.rows, self.P, self.align)
-        offs = ends.to(torch.int32)
+        offs = ends.clamp(max=self.M).to(torch.int32)  # never past the buffer (capacity)
         xq = self.ex_words.index_select(0, src).view(torch.float8_e4m3fn)  # [M, H] fp8
         xb = xq.to(torch.bfloat16)  # exact: every e4m3 value is a bf16 value
         scale = self.exs_flat.index_select(0, src)  # [M, H/128] f32 (the sink's: 0)
@@ -685,7 +710,8 @@ def run_case(ctx: dict, w: ConfigWeights, T: int, timing: bool, check: str | Non
         dp_size=1, hidden_dim=w.H, hidden_dim_bytes=w.H, hidden_dim_scale_bytes=(w.H // BLOCK) * 4)
     out: dict = {"check": None, "timing": None}
     try:
-        layer = PplxLayer(torch, ata, w, T, world, dev, args.group_align, ctx["gemm"])
+        layer = PplxLayer(torch, ata, w, T, world, dev, args.group_align, ctx["gemm"],
+                          args.capacity_factor)
         y0 = layer.forward(x).clone()
         device_sync(torch)
         counts = [int(v) for v in layer.counts.tolist()]
@@ -694,6 +720,7 @@ def run_case(ctx: dict, w: ConfigWeights, T: int, timing: bool, check: str | Non
         out["live_experts_per_rank"] = live_first
         out["live_rows_per_rank"] = [sum(cs) for cs in per_rank]
         out["packed_rows_bound"] = layer.M
+        needed = [max(packed_rows_needed(cs, args.group_align) for cs in per_rank)]
         if check == "auto":
             gflop = oracle_gflop(max(out["live_rows_per_rank"]), w.H, w.F)
             check = "device" if args.check_gflop > 0 and gflop <= args.check_gflop else None
@@ -704,11 +731,13 @@ def run_case(ctx: dict, w: ConfigWeights, T: int, timing: bool, check: str | Non
             h = renorm(torch, y0)
             for _ in range(max(args.ks) - 1):
                 h = renorm(torch, layer.forward(h))
-                cs = [int(v) for v in layer.counts.tolist()]
-                live.append([sum(1 for c in rc if c > 0) for rc in loop.gather_json(cs, world)])
+                cs = loop.gather_json([int(v) for v in layer.counts.tolist()], world)
+                live.append([sum(1 for c in rc if c > 0) for rc in cs])
+                needed.append(max(packed_rows_needed(rc, args.group_align) for rc in cs))
             out["live_per_layer"] = live
         else:
             out["live_per_layer"] = [live_first]
+        out["packed_rows_needed"] = max(needed)
         if timing:
             out["timing"] = time_layers(ctx, layer, x)
             y1 = layer.forward(x).clone()
@@ -793,7 +822,14 @@ def case_rows(ctx: dict, w: ConfigWeights, T: int, got: dict | None, checked: di
     base.update(live_experts_per_rank=got["live_experts_per_rank"],
                 live_rows_per_rank=got["live_rows_per_rank"],
                 packed_rows_bound=got["packed_rows_bound"],
+                packed_rows_needed=got["packed_rows_needed"],
+                capacity_factor=args.capacity_factor,
                 correct_after=got.get("correct_after"))
+    if got["packed_rows_needed"] > got["packed_rows_bound"]:  # rows were dropped
+        base["correct"] = False
+        base["note"] = "; ".join(n for n in (base["note"], (
+            f"capacity overflow: {got['packed_rows_needed']} packed rows needed, "
+            f"{got['packed_rows_bound']} held")) if n)
     return summarize(base, everyone, args.variants, args.ks, ctx["loop"])
 
 
@@ -853,7 +889,8 @@ def rank_main(args: argparse.Namespace) -> int:
         "torch": torch.__version__, "grouped_gemm": ctx["gemm_name"],
         "mps_share": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
         "ks": args.ks, "reps": args.reps, "warmup": args.warmup, "loop_input": args.loop_input,
-        "group_align": args.group_align, "tol": args.tol, "budget_s": budget,
+        "group_align": args.group_align, "capacity_factor": args.capacity_factor,
+        "tol": args.tol, "budget_s": budget,
         "in_progress": "bandwidth probe", "error": None, "rows": [],
     }
 
@@ -914,8 +951,9 @@ def rank_main(args: argparse.Namespace) -> int:
                 checked = run_case(ctx, w, args.check_tokens, timing=False, check="seed")["check"]
                 if rank == 0:
                     flag = "correct" if checked["correct"] else "INCORRECT " + "!" * 20
+                    err = checked["max_rel_err"]
                     print(f"  {name} S={S} check T={args.check_tokens}: {flag}: max_rel_err "
-                          f"{'-' if checked['max_rel_err'] is None else format(checked['max_rel_err'], '.3e')} (tol {args.tol}), route mismatches "
+                          f"{'-' if err is None else format(err, '.3e')} (tol {args.tol}), route mismatches "
                           f"{checked['route_mismatch_tokens']}, weight diff "
                           f"{checked['route_weight_max_diff']:.1e} ({time.time() - t0:.1f} s)", flush=True)
                 for T in args.tokens:
