@@ -595,12 +595,13 @@ class Clock:
         return [self.measure(body) for _ in range(reps)]
 
 
-def capture(torch, body):
-    """(graph, "") or (None, why not). No rank communicates while capturing."""
+def capture(torch, body, stream=None):
+    """(graph, "") or (None, why not), captured on `stream` (default: torch's capture stream).
+    No rank communicates while capturing."""
     try:
         g = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
-        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+        with torch.cuda.graph(g, stream=stream, capture_error_mode="thread_local"):
             body()
         torch.cuda.synchronize()
         return g, ""
@@ -767,6 +768,21 @@ def time_layers(ctx: dict, layer: PplxLayer, x) -> dict:
                 h = renorm(torch, y)
 
     result = {"runs": {}, "unsupported": {}}
+    side = None  # the capture stream, warmed up by one eager layer (torch's advice for graphs:
+    # lazily created per-stream state such as cuBLAS workspaces exists before the capture)
+    if "graph" in args.variants:
+        try:
+            side = torch.cuda.Stream()
+        except Exception:  # noqa: BLE001 - no CUDA (CPU tests): capture reports why
+            side = None
+        if loop.all_ranks_true(side is not None):  # the warm-up layer is collective
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                layers(1)
+            torch.cuda.current_stream().wait_stream(side)
+            device_sync(torch)
+        else:
+            side = None
     for variant in args.variants:
         result["runs"][variant] = {}
         for K in args.ks:
@@ -778,7 +794,7 @@ def time_layers(ctx: dict, layer: PplxLayer, x) -> dict:
                 continue
             if variant in result["unsupported"]:
                 break
-            g, why = capture(torch, lambda K=K: layers(K))
+            g, why = capture(torch, lambda K=K: layers(K), side)
             if not loop.all_ranks_true(g is not None):  # every rank captured
                 result["unsupported"][variant] = why or "capture failed on another rank"
                 if ctx["rank"] == 0:
