@@ -92,7 +92,7 @@ from jax_moe_comm import AllToAll, bootstrap  # noqa: E402
 from jax_moe_comm import errors as jmc_errors  # noqa: E402
 from jax_moe_comm import expert_gemm as G  # noqa: E402
 from jax_moe_comm import moe as moe_mod  # noqa: E402
-from jax_moe_comm.moe import MoELayerConfig, moe_forward  # noqa: E402
+from jax_moe_comm.moe import MoELayerConfig, moe_forward, param_shapes  # noqa: E402
 
 # (experts, top-k, hidden, expert ffn): DeepSeek-V2-Lite and DeepSeek-R1 MoE layers.
 LAYERS = {"V2Lite": (64, 6, 2048, 1408), "R1": (256, 8, 7168, 2048), "tiny": (16, 4, 256, 512)}
@@ -137,8 +137,9 @@ def parse(argv=None):
     p.add_argument("--skew", type=float, default=0.9,
                    help="fraction of tokens biased onto experts 0..k-1 in skew rows (0: none)")
     p.add_argument("--bf16", action="store_true", help="bf16 dispatch (default fp8)")
-    p.add_argument("--shared-expert", action="store_true",
-                   help="include the shared expert (the issue's layer step has none)")
+    p.add_argument("--shared-experts", type=int, default=0,
+                   help="shared experts of width ffn each (MoELayerConfig.num_shared_experts; "
+                        "the issue's layer step has none)")
     p.add_argument("--loop-input", choices=("output", "first"), default="output",
                    help="each looped layer's input: the previous output (its routing drifts: "
                    "busiest rank 1.21-1.33x the mean from the second layer on at V2-Lite, 128 "
@@ -255,11 +256,12 @@ def make_params(cfg: MoELayerConfig, mesh, seed: int):
     rng = np.random.default_rng(seed)
     params = {"router": replicated(mesh, rng.standard_normal((H, E)) / np.sqrt(H), np.float32)}
     specs = {"router": P()}
-    if cfg.shared_expert:
-        for name, shape, fan in (("shared_in", (H, F), H), ("shared_out", (F, H), F)):
-            params[name] = replicated(mesh, rng.standard_normal(shape) / np.sqrt(fan),
-                                      jnp.bfloat16)
-            specs[name] = P()
+    shapes = param_shapes(cfg)
+    for name in ("shared_in", "shared_out") if cfg.num_shared_experts else ():
+        shape = shapes[name]
+        params[name] = replicated(mesh, rng.standard_normal(shape) / np.sqrt(shape[0]),
+                                  jnp.bfloat16)
+        specs[name] = P()
     w_in, w_out = device_normal(mesh, [(L, H, F), (L, F, H)], seed,
                                 [1 / np.sqrt(H), 1 / np.sqrt(F)])
     params.update(w_in=w_in, w_out=w_out)
@@ -654,7 +656,7 @@ class Bench:
             command=" ".join(["python"] + sys.argv), jax=jax.__version__,
             xla_flags=os.environ.get("XLA_FLAGS", ""), backend_requested=args.backend,
             loop_input=args.loop_input,
-            dispatch_dtype="bf16" if args.bf16 else "fp8", shared_expert=args.shared_expert,
+            dispatch_dtype="bf16" if args.bf16 else "fp8", shared_experts=args.shared_experts,
             capacity_support=CAPACITY, expert_capacity_support=EXPERT_CAPACITY,
             tokamax_problem=tk, masked_inner=G.masked_inner(),
             hbm_bps_nominal=args.hbm_bps, mem_per_rank_bytes=self.mem_per_rank,
@@ -667,7 +669,7 @@ class Bench:
         E, k, H, F = LAYERS[case.config]
         kw = dict(num_experts=E, experts_per_token=k, hidden=H, ffn=F,
                   max_num_tokens=case.tokens, fp8_dispatch=not self.args.bf16,
-                  shared_expert=self.args.shared_expert, expert_gemm=case.option)
+                  num_shared_experts=self.args.shared_experts, expert_gemm=case.option)
         if case.capacity and "capacity_factor" in LAYER_FIELDS:
             kw["capacity_factor"] = case.capacity
         if case.row_buckets:

@@ -135,7 +135,7 @@ class Block(nnx.Module):
         self.norm1, self.attn, self.norm2 = RMSNorm(rngs), Attention(rngs), RMSNorm(rngs)
         self.moe = jf.MoE(
             num_experts=E, experts_per_token=args.k, hidden=H,
-            ffn=args.ffn, shared_expert=True, mesh=MESH, expert_axis="ep",
+            ffn=args.ffn, num_shared_experts=1, mesh=MESH, expert_axis="ep",
             max_num_tokens=(args.batch_per_rank * S0, args.batch_per_rank),  # prefill, decode
             router=ROUTER,
             param_dtype=bf16, layout="padded", differentiable=False, backend=args.backend,
@@ -247,8 +247,8 @@ def breakdown(model, state, graphdef, x1, caches):
             out = a2a.dispatch(x, routed.indices, n)
             if part == "dispatch":
                 return out.expert_num_tokens
-            ey = out.expert_x if part == "combine" else experts_forward(a2a, p, out,
-                                                                         layer.expert_gemm)
+            ey = out.expert_x if part == "combine" else experts_forward(
+                a2a, p, out, layer.expert_gemm, gated=layer.gated)
             return a2a.combine(ey, out.routing, routed.indices, routed.weights, n)
         return jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(specs, P("ep")),
                                      out_specs=P("ep")))

@@ -35,7 +35,10 @@ def _parse(argv):
     p.add_argument("--ffn", type=int, default=512)
     p.add_argument("--tokens", type=int, default=32, help="max tokens per rank")
     p.add_argument("--fp8", action="store_true", help="fp8 dispatch with block scales")
-    p.add_argument("--no-shared", action="store_true", help="no shared expert")
+    p.add_argument("--shared-experts", type=int, default=1,
+                   help="shared experts (of width --ffn each; 0: none)")
+    p.add_argument("--gated", action="store_true",
+                   help="SiLU-gated experts (DeepSeek's), w_in [E, H, 2F]")
     p.add_argument("--layout", default="packed", choices=("packed", "padded"),
                    help="expert layout: packed rows (default), or padded [L, max_recv, H]")
     p.add_argument("--capacity-factor", type=float, default=None,
@@ -88,7 +91,8 @@ def main(argv=None) -> int:
 
     cfg = MoELayerConfig(num_experts=args.experts, experts_per_token=args.topk,
                          hidden=args.hidden, ffn=args.ffn, max_num_tokens=args.tokens,
-                         shared_expert=not args.no_shared, fp8_dispatch=args.fp8,
+                         num_shared_experts=args.shared_experts, gated=args.gated,
+                         fp8_dispatch=args.fp8,
                          expert_gemm=args.expert_gemm, capacity_factor=args.capacity_factor,
                          overflow=args.overflow)
     world = len(jax.devices())
@@ -99,7 +103,8 @@ def main(argv=None) -> int:
     say(f"jax_moe_comm demo: backend={a2a.backend_name} ranks={world} "
         f"platform={jax.default_backend()} E={cfg.num_experts} k={cfg.experts_per_token} "
         f"H={cfg.hidden} F={cfg.ffn} max_tokens/rank={cfg.max_num_tokens} "
-        f"dispatch={'fp8' if cfg.fp8_dispatch else 'bf16'} shared_expert={cfg.shared_expert} "
+        f"dispatch={'fp8' if cfg.fp8_dispatch else 'bf16'} "
+        f"shared_experts={cfg.num_shared_experts} gated={cfg.gated} "
         f"layout={a2a.layout} "
         f"expert_gemm={expert_gemm.resolve(cfg.expert_gemm, layout=a2a.layout)}")
     comm = a2a.config

@@ -10,14 +10,15 @@
 Inputs and outputs are global arrays: x [B, S, H] or [T, H], its tokens (B*S rows, batch-major)
 sharded over the token axes, `data_axes` then `expert_axis` (a mesh axis or a tuple of them).
 The all-to-all runs along the expert axis; experts are sharded over it (rank r holds experts
-[r*L, (r+1)*L)) and replicated over the data axes; router and shared expert are replicated.
+[r*L, (r+1)*L)) and replicated over the data axes; router and shared experts are replicated.
 On the nvshmem backend the expert axis must span every process (one GPU each): with a
 ("data", "expert") mesh there, pass expert_axis=("data", "expert") (DeepSeek's data-parallel
 attention with expert parallelism over all GPUs).
 
 Per rank, the layer is moe.moe_forward with the router of router.py: scores, (grouped) top-k,
-expert bias, normalized weights; dispatch, the shared expert while tokens are in flight, SiLU
-MLP experts (as `expert_gemm` says), combine. It trains under nnx.jit/nnx.grad on both
+expert bias, normalized weights; dispatch, SiLU or SiLU-gated MLP experts (as `expert_gemm`
+says), combine, and the shared experts' two GEMMs while tokens are in flight (the first in the
+dispatch flight, the second in the combine flight: moe.py's docstring). It trains under nnx.jit/nnx.grad on both
 backends (handles are made differentiable unless told otherwise).
 
 Handles are created outside any trace, never under nnx.eval_shape or jit: by the constructor
@@ -42,9 +43,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import router as rtr
-from .api import AllToAll, _under_trace, order_after
+from .api import AllToAll, _under_trace
 from .errors import ProtocolError
-from .moe import MoELayerConfig, experts_forward, mlp
+from .moe import (SHARED_EXPERT_RENAMED, MoELayerConfig, dense_experts_and_shared,
+                  experts_and_shared, param_shapes, refuse_renamed)
 
 EXPERT_PARAMS = ("w_in", "w_out")  # sharded over the expert axis along experts
 LOGICAL_AXES = {"router": ("embed", None), "w_in": ("expert", "embed", "mlp"),
@@ -105,6 +107,7 @@ def _maker(init, shape, dtype, sharding):
     return jax.jit(lambda key: init(key, shape, dtype), out_shardings=sharding)
 
 
+@refuse_renamed(**SHARED_EXPERT_RENAMED)
 class MoE(nnx.Module):
     """A MoE layer on `mesh` (module docstring). Arguments:
 
@@ -113,11 +116,16 @@ class MoE(nnx.Module):
     expert_axis: the mesh axis (or tuple of axes) of expert parallelism; `axis_name` is its
       old name (default "ep"). data_axes: mesh axes that shard the tokens too, experts
       replicated over them.
-    shared_expert, shared_ffn (default F): a replicated SiLU MLP every token goes through.
+    num_shared_experts S (default 1; 0: none), shared_ffn SF (default F): replicated experts
+      every token goes through, one MLP of width S*SF (shared_in [H, S*SF], shared_out
+      [S*SF, H]).
+    gated: SiLU-gated experts, shared ones too (DeepSeek's): w_in [E, H, 2F] with the gate in
+      columns [0:F] and the up projection in [F:2F], shared_in [H, 2*S*SF] likewise (every gate
+      column first); default False: SiLU MLPs, w_in [E, H, F].
     router: router.RouterConfig (softmax/sigmoid, groups, expert bias, aux loss).
     dtype: compute dtype of the MLPs and of y (tokens travel bf16, or fp8 with fp8_dispatch);
       param_dtype: of the parameters; the router runs in f32.
-    expert_init, kernel_init (shared expert [in, out]), router_init: initializers (key,
+    expert_init, kernel_init (shared experts [in, out]), router_init: initializers (key,
       shape, dtype); the parameters carry their partition specs (nnx.with_partitioning,
       LOGICAL_AXES as `logical_axes` metadata), so nnx.eval_shape, sharded init and Orbax
       restore place them without creating the handle.
@@ -136,7 +144,8 @@ class MoE(nnx.Module):
                  max_num_tokens: int | Sequence[int], mesh: jax.sharding.Mesh,
                  expert_axis: str | Sequence[str] | None = None,
                  data_axes: str | Sequence[str] = (), axis_name: str | None = None,
-                 shared_expert: bool = True, shared_ffn: int | None = None,
+                 num_shared_experts: int = 1, shared_ffn: int | None = None,
+                 gated: bool = False,
                  router: rtr.RouterConfig | None = None, dtype: Any = jnp.bfloat16,
                  param_dtype: Any = jnp.float32, expert_init=None, kernel_init=None,
                  router_init=None, fp8_dispatch: bool = False, backend: str = "auto",
@@ -160,7 +169,8 @@ class MoE(nnx.Module):
         self.dtype, self.param_dtype = jnp.dtype(dtype), jnp.dtype(param_dtype)
         self.layer = MoELayerConfig(num_experts=num_experts, experts_per_token=experts_per_token,
                                     hidden=hidden, ffn=ffn, max_num_tokens=self.budgets[-1],
-                                    shared_expert=shared_expert, fp8_dispatch=fp8_dispatch,
+                                    num_shared_experts=num_shared_experts,
+                                    shared_ffn=shared_ffn, gated=gated, fp8_dispatch=fp8_dispatch,
                                     expert_gemm=expert_gemm, capacity_factor=capacity_factor,
                                     overflow=overflow, gemm_row_buckets=gemm_row_buckets)
         if self.layer.gemm_row_buckets and layout != "packed":
@@ -172,18 +182,20 @@ class MoE(nnx.Module):
         self.backend_arg, self.layout, self.differentiable = backend, layout, differentiable
         self.handles = _Handles()
 
-        H, F, E, SF = hidden, ffn, num_experts, shared_ffn or ffn
+        shapes = param_shapes(self.layer)
         kernel_init = kernel_init or KERNEL_INIT
         router_init = router_init or kernel_init
         expert_init = expert_init or EXPERT_INIT
-        self.router = self._param(rngs, "router", router_init, (H, E), jnp.float32)  # f32
-        self.w_in = self._param(rngs, "w_in", expert_init, (E, H, F))
-        self.w_out = self._param(rngs, "w_out", expert_init, (E, F, H))
-        if shared_expert:
-            self.shared_in = self._param(rngs, "shared_in", kernel_init, (H, SF))
-            self.shared_out = self._param(rngs, "shared_out", kernel_init, (SF, H))
+        self.router = self._param(rngs, "router", router_init, shapes["router"],
+                                  jnp.float32)  # f32
+        self.w_in = self._param(rngs, "w_in", expert_init, shapes["w_in"])
+        self.w_out = self._param(rngs, "w_out", expert_init, shapes["w_out"])
+        if self.layer.num_shared_experts:
+            self.shared_in = self._param(rngs, "shared_in", kernel_init, shapes["shared_in"])
+            self.shared_out = self._param(rngs, "shared_out", kernel_init, shapes["shared_out"])
         if self.router_cfg.expert_bias:
-            zeros = _maker(_zeros, (E,), jnp.dtype(jnp.float32), NamedSharding(mesh, P()))
+            zeros = _maker(_zeros, (num_experts,), jnp.dtype(jnp.float32),
+                           NamedSharding(mesh, P()))
             self.expert_bias = ExpertBias(nnx.with_partitioning(
                 lambda *_: zeros(jax.random.key(0)), (None,), mesh=mesh,
                 logical_axes=LOGICAL_AXES["expert_bias"])(None))
@@ -339,8 +351,7 @@ class MoE(nnx.Module):
     # -- parameters ----------------------------------------------------------------------------
     def _params(self) -> dict:
         """The parameters as the layer computes with them: router f32, the rest in dtype."""
-        names = ["router", "w_in", "w_out"] + (["shared_in", "shared_out"]
-                                               if self.layer.shared_expert else [])
+        names = list(param_shapes(self.layer))
         out = {n: getattr(self, n)[...] for n in names}
         return {n: v.astype(jnp.float32 if n == "router" else self.dtype)
                 for n, v in out.items()}
@@ -539,38 +550,15 @@ def layer_forward(a2a: AllToAll, layer: MoELayerConfig, cfg: rtr.RouterConfig, p
     routed, stats = route_tokens(layer, cfg, params["router"], x, live, bias)
     # rows up to the last live one go (dead ones route nowhere); the rest are not read
     n = jnp.max(jnp.where(live, jnp.arange(1, x.shape[0] + 1), 0)).astype(jnp.int32)
-    pending = a2a.dispatch_send(x, routed.indices, n)
-    shared = None
-    if layer.shared_expert:  # runs while the tokens are on the wire
-        shared = mlp(x, params["shared_in"], params["shared_out"])
-        pending = pending._replace(state=order_after(pending.state, shared))
-    out = a2a.dispatch_recv(pending)
-    expert_y = experts_forward(a2a, params, out, layer.expert_gemm, layer.gemm_row_buckets)
-    y = a2a.combine(expert_y, out.routing, routed.indices, routed.weights, n)
-    y = y.astype(jnp.float32)
-    if shared is not None:
-        y = y + shared
+    y = experts_and_shared(a2a, layer, params, x, routed.indices, routed.weights, n)
     return jnp.where(live[:, None], y, 0.0).astype(jnp.bfloat16), stats
 
 
 def dense_layer_forward(layer: MoELayerConfig, cfg: rtr.RouterConfig, params, x, live,
                         bias=None):
     """layer_forward on one device with every expert applied densely (the oracle)."""
-    from . import quant
-
     routed, stats = route_tokens(layer, cfg, params["router"], x, live, bias)
-    xe = quant.fake_quantize(x) if layer.fp8_dispatch else x
-
-    def add_expert(e, y):
-        w = jnp.sum(jnp.where(routed.indices == e, routed.weights, 0.0), axis=-1,
-                    keepdims=True)
-        ye = mlp(xe, params["w_in"][e], params["w_out"][e]).astype(jnp.bfloat16)
-        return y + w * ye.astype(jnp.float32)
-
-    y = jax.lax.fori_loop(0, layer.num_experts, add_expert, jnp.zeros(x.shape, jnp.float32))
-    y = y.astype(jnp.bfloat16).astype(jnp.float32)  # combine's bf16 output
-    if layer.shared_expert:
-        y = y + mlp(x, params["shared_in"], params["shared_out"])
+    y = dense_experts_and_shared(layer, params, x, routed.indices, routed.weights)
     return jnp.where(live[:, None], y, 0.0).astype(jnp.bfloat16), stats
 
 

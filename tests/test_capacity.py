@@ -428,9 +428,9 @@ def test_layer_with_a_capacity_factor_equals_dense_without_the_dropped_slots(
 
         real = moe.experts_forward
 
-        def spy(a2a, params, out, *args):  # the expert GEMMs' input, as the layer runs them
+        def spy(a2a, params, out, *args, **kwargs):  # the expert GEMMs' input, as run
             shapes.append(out.expert_x.shape)
-            return real(a2a, params, out, *args)
+            return real(a2a, params, out, *args, **kwargs)
 
         with mock.patch.object(moe, "experts_forward", spy):
             return moe.moe_forward(a2a, cfg, p, x, nt.reshape(()))

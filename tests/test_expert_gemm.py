@@ -1,7 +1,7 @@
 """The grouped-GEMM options of the expert MLPs (expert_gemm.py, issue 24) against the padded
 einsum, on CPU: forward and gradients on ragged group sizes with empty and full experts, on
-both layouts, alone and through the MoE layer (reference backend, jax.grad through dispatch
-and combine).
+both layouts, SiLU and SiLU-gated experts, alone and through the MoE layer (reference
+backend, jax.grad through dispatch and combine).
 
 Tolerance: every option rounds the hidden activation to bf16 like the einsum, but sums in
 another order and (tokamax's unfused path) applies SiLU after that rounding, so results agree
@@ -44,12 +44,12 @@ COUNTS = np.array([3, 0, 6, 1], np.int32)  # an empty expert, a full one
 TOTAL = 12  # packed rows: more than sum(COUNTS), as dispatch gives them
 
 
-def padded_data(seed=0):
-    """x [L, R, H] random in every row (dead rows too: they must not matter), weights, and the
-    output cotangent, zero on dead rows (combine never reads them)."""
+def padded_data(seed=0, gated=False):
+    """x [L, R, H] random in every row (dead rows too: they must not matter), weights (gated:
+    w_in [L, H, 2F]), and the output cotangent, zero on dead rows (combine never reads them)."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((L, R, H)).astype(jnp.bfloat16)
-    w_in = (rng.standard_normal((L, H, F)) / np.sqrt(H)).astype(jnp.bfloat16)
+    w_in = (rng.standard_normal((L, H, 2 * F if gated else F)) / np.sqrt(H)).astype(jnp.bfloat16)
     w_out = (rng.standard_normal((L, F, H)) / np.sqrt(F)).astype(jnp.bfloat16)
     live = np.arange(R)[None, :] < COUNTS[:, None]
     g = rng.standard_normal((L, R, H)).astype(np.float32) * live[..., None]
@@ -70,13 +70,13 @@ def to_padded(a, live):
     return out
 
 
-def run(option, layout, x, w_in, w_out, g):
+def run(option, layout, x, w_in, w_out, g, gated=False):
     """(y, dx, dw_in, dw_out) of sum(g * mlp(x)), y f32 in the layout's shape."""
     counts = jnp.asarray(COUNTS)
 
     def f(x, w_in, w_out):
         return expert_gemm.expert_mlp(x, counts, w_in, w_out, option, rows_per_expert=R,
-                                      total_rows=TOTAL)
+                                      total_rows=TOTAL, gated=gated)
 
     def loss(x, w_in, w_out):
         return jnp.sum(g * f(x, w_in, w_out))
@@ -85,25 +85,40 @@ def run(option, layout, x, w_in, w_out, g):
     return (y,) + jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w_in, w_out)
 
 
-@pytest.fixture(scope="module")
-def reference():
-    x, w_in, w_out, g, live = padded_data()
-    y, dx, dwi, dwo = run("einsum", "padded", x, w_in, w_out, g)
-    return (x, w_in, w_out, g, live), (np.asarray(y) * live[..., None], np.asarray(dx, np.float32)
-                                       * live[..., None], dwi, dwo)
+@pytest.fixture(scope="module", params=[False, True], ids=["silu", "gated"])
+def reference(request):
+    gated = request.param
+    x, w_in, w_out, g, live = padded_data(gated=gated)
+    y, dx, dwi, dwo = run("einsum", "padded", x, w_in, w_out, g, gated)
+    return (x, w_in, w_out, g, live, gated), (np.asarray(y) * live[..., None],
+                                              np.asarray(dx, np.float32) * live[..., None],
+                                              dwi, dwo)
+
+
+def test_gated_einsum_is_silu_of_the_gate_times_up():
+    """The reference of the gated cases, against the convention written out in numpy: gate =
+    w_in[e][:, :F], up = w_in[e][:, F:], h = silu(x @ gate) * (x @ up) in f32 rounded to bf16,
+    y = h @ w_out[e] (the convention benchmarks' numpy oracle uses)."""
+    x, w_in, w_out, _, live = padded_data(gated=True)
+    got = np.asarray(expert_gemm.einsum_mlp(x, w_in, w_out, gated=True))
+    xf, wi, wo = (np.asarray(v, np.float32) for v in (x, w_in, w_out))
+    gate, up = xf @ wi[:, :, :F], xf @ wi[:, :, F:]  # [L, R, F] (batched over experts)
+    h = (gate / (1 + np.exp(-gate)) * up).astype(jnp.bfloat16).astype(np.float32)
+    close("gated y", got, h @ wo, rtol=1e-2)
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("option", [pytest.param(o, marks=marks(o)) for o in OPTIONS])
 def test_option_matches_einsum_forward_and_gradients(option, layout, reference):
-    (x, w_in, w_out, g, live), (y_ref, dx_ref, dwi_ref, dwo_ref) = reference
+    (x, w_in, w_out, g, live, gated), (y_ref, dx_ref, dwi_ref, dwo_ref) = reference
     if layout == "packed":
-        y, dx, dwi, dwo = run(option, layout, to_packed(x, live), w_in, w_out, to_packed(g, live))
+        y, dx, dwi, dwo = run(option, layout, to_packed(x, live), w_in, w_out, to_packed(g, live),
+                              gated)
         if option != "tokamax":  # tokamax leaves rows past the live ones unwritten
             assert not np.asarray(y)[live.sum():].any(), "rows past the live ones not zero"
         y, dx = to_padded(y, live), to_padded(dx, live)
     else:
-        y, dx, dwi, dwo = run(option, layout, x, w_in, w_out, g)
+        y, dx, dwi, dwo = run(option, layout, x, w_in, w_out, g, gated)
         y, dx = np.asarray(y), np.asarray(dx, np.float32)
         if option != "einsum":  # computed only for live rows, zero past them
             assert not y[~live].any(), "rows past the counts not zero"
@@ -128,7 +143,11 @@ class StandInTokamax:
         live = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)
         return jnp.where(live.reshape((-1,) + (1,) * (out.ndim - 1)), out, jnp.nan)
 
+    def __init__(self):
+        self.activations = []  # the activation= of each ragged_dot call (None: none fused)
+
     def ragged_dot(self, x, w, group_sizes, preferred_element_type=None, activation=None):
+        self.activations.append(activation)
         out = jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
         out = activation(out) if activation is not None else out
         out = out.astype(preferred_element_type or out.dtype)
@@ -144,12 +163,17 @@ class StandInTokamax:
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_tokamax_wiring_on_a_stand_in(layout, reference, monkeypatch):
-    monkeypatch.setattr(expert_gemm, "_tokamax", lambda: (StandInTokamax(), None))
+    """Not gated, SiLU is fused into the first GEMM (activation=silu); gated, the first GEMM
+    has no activation (the gate and up columns of a row are in different output tiles)."""
+    stand_in = StandInTokamax()
+    monkeypatch.setattr(expert_gemm, "_tokamax", lambda: (stand_in, None))
     expert_gemm._tokamax_dot.cache_clear()
     try:
         test_option_matches_einsum_forward_and_gradients("tokamax", layout, reference)
     finally:
         expert_gemm._tokamax_dot.cache_clear()
+    gated = reference[0][-1]
+    assert stand_in.activations == [None if gated else jax.nn.silu, None], stand_in.activations
 
 
 def test_bad_option_names_raise_listing_the_choices():
@@ -385,12 +409,14 @@ def test_default_is_tokamax_own_choice():
 # -- through the MoE layer: jax.grad through dispatch, the experts and combine ----------------
 LAYER = dict(num_experts=8, experts_per_token=3, hidden=64, ffn=96, max_num_tokens=6)
 WORLD = 2
-LAYER_CASES = [("einsum", "packed"), ("ragged_dot", "packed"), ("tokamax", "packed"),
-               ("masked", "padded"), ("tokamax", "padded")]
+LAYER_CASES = [("einsum", "packed", False), ("ragged_dot", "packed", False),
+               ("tokamax", "packed", False), ("masked", "padded", False),
+               ("tokamax", "padded", False), ("ragged_dot", "packed", True),
+               ("tokamax", "packed", True), ("masked", "padded", True)]
 
 
-def layer_grads(option, layout):
-    cfg = MoELayerConfig(**LAYER, expert_gemm=option)
+def layer_grads(option, layout, gated=False):
+    cfg = MoELayerConfig(**LAYER, expert_gemm=option, gated=gated)
     mesh = T.make_mesh(WORLD)
     a2a = AllToAll(cfg.comm_config(WORLD), differentiable=True, layout=layout)
     params = [init_params(cfg, 3)]
@@ -402,15 +428,29 @@ def layer_grads(option, layout):
 
 
 @pytest.fixture(scope="module")
-def einsum_layer():
-    return layer_grads("einsum", "padded")
+def einsum_layers():
+    """gated -> the einsum option's layer gradients, computed on first use."""
+    class Lazy(dict):
+        def __missing__(self, gated):
+            self[gated] = layer_grads("einsum", "padded", gated)
+            return self[gated]
+    return Lazy()
 
 
-@pytest.mark.parametrize("option,layout",
-                         [pytest.param(o, lay, marks=marks(o)) for o, lay in LAYER_CASES])
-def test_layer_gradients_match_the_einsum_option(option, layout, einsum_layer):
-    (grads,), dx = layer_grads(option, layout)
-    (want,), want_dx = einsum_layer
+@pytest.fixture(scope="module")
+def einsum_layer(einsum_layers):
+    return einsum_layers[False]
+
+
+@pytest.mark.parametrize("option,layout,gated",
+                         [pytest.param(o, lay, g, marks=marks(o),
+                                       id=f"{o}-{lay}" + ("-gated" if g else ""))
+                          for o, lay, g in LAYER_CASES])
+def test_layer_gradients_match_the_einsum_option(option, layout, gated, einsum_layers):
+    """Every parameter's gradient (gated: w_in [E, H, 2F] and the shared experts' gated
+    shared_in too) and d x through dispatch, the option's GEMMs and combine."""
+    (grads,), dx = layer_grads(option, layout, gated)
+    (want,), want_dx = einsum_layers[gated]
     for rank in range(WORLD):
         for name, g in grads[rank].items():
             close(f"rank {rank} d {name}", g, want[rank][name])

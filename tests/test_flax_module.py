@@ -49,10 +49,12 @@ def close_to_dense(moe, x, y, **kw):
     return err
 
 
-def test_bsh_and_th_inputs_on_a_data_expert_mesh_match_the_dense_layer():
+@pytest.mark.parametrize("shared,gated", [(1, False), (2, True)], ids=["1-shared", "gated-2-shared"])
+def test_bsh_and_th_inputs_on_a_data_expert_mesh_match_the_dense_layer(shared, gated):
     mesh = mesh2()
     moe = make(mesh, router=RouterConfig(score="sigmoid", num_groups=4, topk_groups=2,
-                                         expert_bias=True), shared_ffn=64)
+                                         expert_bias=True), shared_ffn=64,
+               num_shared_experts=shared, gated=gated)
     moe.expert_bias[...] = jnp.linspace(-0.1, 0.1, E)  # selection only
     step = nnx.jit(lambda m, x, n, mask: m(x, n, mask=mask))
     rng = np.random.default_rng(0)
@@ -119,7 +121,7 @@ def test_expert_axis_over_both_mesh_axes_and_token_budgets():
     its own mean load (3x: 16 rows at budget 2, room for the 12 rows that can come)."""
     mesh = mesh2("Explicit")
     moe = make(mesh, expert_axis=("data", "expert"), data_axes=(), max_num_tokens=(8, 2),
-               num_experts=16, shared_expert=False, capacity_factor=3.0)
+               num_experts=16, num_shared_experts=0, gated=True, capacity_factor=3.0)
     assert {b: a.config.max_num_tokens for b, a in moe.handles.by_budget.items()} == {8: 8, 2: 2}
     assert {b: (a.layout, a.max_recv_rows) for b, a in moe.handles.by_budget.items()} == \
         {8: ("packed", 3 * 8 * 8 * K // 8), 2: ("packed", 16)}
@@ -143,7 +145,7 @@ def test_padded_layout_with_a_capacity_factor_sizes_each_budgets_experts():
     y is the dense layer's (overflow="fail": check_handles would raise a drop)."""
     mesh = mesh2()
     moe = make(mesh, layout="padded", capacity_factor=2.0, max_num_tokens=(8, 2),
-               shared_expert=False, expert_gemm="einsum")
+               num_shared_experts=0, expert_gemm="einsum")
     assert {b: (a.layout, a.expert_capacity, a.config.max_recv_tokens)
             for b, a in moe.handles.by_budget.items()} == {8: ("padded", 16, 32),
                                                           2: ("padded", 8, 8)}
@@ -264,10 +266,38 @@ def test_layers_share_one_handle_and_train_like_the_dense_layer():
     (dict(gemm_row_buckets=1.25), "a tuple of capacity factors"),
     (dict(router=RouterConfig(num_groups=4, topk_groups=1), experts_per_token=3),
      "experts_per_token=3 exceeds the 2 experts of the topk_groups=1 groups"),
+    (dict(num_shared_experts=-1), r"num_shared_experts=-1: how many shared experts, an int >= 0"),
+    (dict(num_shared_experts=1.5), r"num_shared_experts=1.5: how many shared experts"),
+    (dict(shared_ffn=0), r"shared_ffn=0: the hidden width of one shared expert, an int >= 1"),
+    (dict(shared_ffn=64.0), r"shared_ffn=64.0: the hidden width"),
+    (dict(gated="yes"), r"gated='yes': True \(SiLU-gated MLPs"),
 ])
 def test_construction_errors_say_what_to_change(kw, match):
     with pytest.raises(ValueError, match=match):
         make(mesh2(), **kw)
+
+
+def test_shared_expert_is_renamed_num_shared_experts():
+    with pytest.raises(TypeError, match=r"MoE\(shared_expert=...\) is gone: pass "
+                                        r"num_shared_experts=1 \(was True\) or 0"):
+        make(mesh2(), shared_expert=True)
+
+
+def test_gated_and_shared_experts_parameter_shapes_and_specs():
+    """num_shared_experts=2 of shared_ffn=48: one shared MLP of width 96; gated: w_in [E, H,
+    2F] and shared_in [H, 2 * 96] (gate columns, then up), the sharding names unchanged;
+    num_shared_experts=0: no shared parameters. eval_shape only: no handle."""
+    mesh = mesh2()
+    moe = nnx.eval_shape(lambda: make(mesh, num_shared_experts=2, shared_ffn=48, gated=True))
+    shapes = {k: tuple(v.shape) for k, v in nnx.state(moe, nnx.Param).items()}
+    assert shapes == {"router": (H, E), "w_in": (E, H, 2 * F), "w_out": (E, F, H),
+                      "shared_in": (H, 2 * 96), "shared_out": (96, H)}, shapes
+    specs = nnx.get_partition_spec(nnx.state(moe, nnx.Param))
+    assert specs["w_in"].get_value() == P("expert", None, None)
+    assert specs["shared_in"].get_value() == P(None, None)
+    assert moe.shared_in.get_metadata()["logical_axes"] == ("embed", "mlp")
+    none = nnx.eval_shape(lambda: make(mesh, num_shared_experts=0))
+    assert set(nnx.state(none, nnx.Param)) == {"router", "w_in", "w_out"}
 
 
 def test_call_errors_say_what_to_change():

@@ -357,7 +357,9 @@ LAYER_CASES = {
     "dp2": (MoELayerConfig(**LAYER, dp_size=2), 0.15, 1, False),
     "fp8": (MoELayerConfig(**{**LAYER, "hidden": 256}, fp8_dispatch=True), 0.15, 1, False),
     "fp8-dp2-no-shared": (MoELayerConfig(**{**LAYER, "hidden": 256}, fp8_dispatch=True,
-                                         dp_size=2, shared_expert=False), 0.1, 1, False),
+                                         dp_size=2, num_shared_experts=0), 0.1, 1, False),
+    "gated-2-shared": (MoELayerConfig(**LAYER, gated=True, num_shared_experts=2, shared_ffn=64),
+                       0.15, 1, False),
     "2-layers-remat": (MoELayerConfig(**LAYER), 0.1, 2, True),
     "2-layers-remat-saving-a2a": (MoELayerConfig(**LAYER), 0.1, 2, "save_a2a"),
 }
@@ -366,9 +368,10 @@ LAYER_CASES = {
 @pytest.mark.parametrize("name", list(LAYER_CASES))
 def test_layer_gradients_equal_dense(name):
     """Every parameter's and the input's gradient of the demo layer (router through top-k
-    and combine's weights, experts through dispatch/combine, shared expert) equals the dense
-    layer's within bf16 tolerance: -1 slots, ragged num_tokens, DP partners, fp8 dispatch
-    (straight through the quantization), stacked layers under jax.checkpoint."""
+    and combine's weights, experts through dispatch/combine, shared experts through both
+    flights' windows) equals the dense layer's within bf16 tolerance: -1 slots, ragged
+    num_tokens, DP partners, fp8 dispatch (straight through the quantization), gated experts
+    with two shared ones, stacked layers under jax.checkpoint."""
     cfg, drop_rate, layers, remat = LAYER_CASES[name]
     world = 8
     mesh = T.make_mesh(world)
@@ -394,6 +397,36 @@ def test_remat_policy_keeps_the_all_to_alls_out_of_the_recomputation():
     count = {remat: str(jax.make_jaxpr(T.make_layer_grad_step(a2a, cfg, mesh, 2, remat))(
         *args)).count("all_to_all") for remat in (False, True, "save_a2a")}
     assert count["save_a2a"] == count[False] < count[True], count
+
+
+def _count_prims(jaxpr, name):
+    from jax._src import core
+
+    return sum((eqn.primitive.name == name) + sum(_count_prims(sub, name)
+               for sub in core.jaxprs_in_params(eqn.params)) for eqn in jaxpr.eqns)
+
+
+@pytest.mark.parametrize("shared", [0, 1, 2])
+def test_shared_experts_overlap_both_flights_and_none_take_the_fused_combine(shared):
+    """With shared experts the layer calls the split combine, with three ties (the dispatch
+    recv after the first GEMM, the second GEMM's input after combine_send, the combine recv
+    after the second GEMM); with none, the fused combine (one launch on nvshmem) and no tie."""
+    cfg = MoELayerConfig(**LAYER, num_shared_experts=shared, gated=True)
+    world = 8
+    mesh = T.make_mesh(world)
+    a2a = FusedShuffledAllToAll(cfg.comm_config(world))
+    params = [init_params(cfg, 0)]
+    args = T.layer_grad_args(mesh, params, *T.layer_grad_inputs(cfg, world, 3))
+
+    def fwd(ps, x, nt, G, drop):
+        spec = P("ep")
+        return jax.shard_map(lambda p, x, n, d: T.layer_stack(a2a, cfg, p, x, n.reshape(()), d),
+                             mesh=mesh, in_specs=(T.layer_shardings(mesh, ps), spec, spec, spec),
+                             out_specs=spec)(ps, x, nt, drop)
+
+    jaxpr = jax.make_jaxpr(fwd)(*args).jaxpr
+    assert a2a.backend.fused_calls["combine"] == (0 if shared else 1), a2a.backend.fused_calls
+    assert _count_prims(jaxpr, "optimization_barrier") == (3 if shared else 0)
 
 
 class MarkedBackend:

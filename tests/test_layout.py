@@ -44,7 +44,19 @@ LAYERS = {  # the MoE layer of moe.py at several shapes
     "EP8-dp2": MoELayerConfig(num_experts=16, experts_per_token=3, hidden=128, ffn=128,
                               max_num_tokens=8, dp_size=2),
     "EP8-fp8-k=L": MoELayerConfig(num_experts=16, experts_per_token=2, hidden=256, ffn=128,
-                                  max_num_tokens=4, fp8_dispatch=True, shared_expert=False),
+                                  max_num_tokens=4, fp8_dispatch=True, num_shared_experts=0),
+    # gated experts (w_in [E, H, 2F]) with 0, 1 and 2 shared experts: the fused combine, and
+    # the split one with the shared GEMMs in both flights
+    "EP8-gated-no-shared": MoELayerConfig(num_experts=16, experts_per_token=2, hidden=128,
+                                          ffn=64, max_num_tokens=4, gated=True,
+                                          num_shared_experts=0),
+    "EP8-gated-1-shared": MoELayerConfig(num_experts=16, experts_per_token=2, hidden=128,
+                                         ffn=64, max_num_tokens=4, gated=True),
+    "EP8-gated-2-shared": MoELayerConfig(num_experts=16, experts_per_token=2, hidden=128,
+                                         ffn=64, max_num_tokens=4, gated=True,
+                                         num_shared_experts=2, shared_ffn=48),
+    "EP8-2-shared": MoELayerConfig(num_experts=16, experts_per_token=2, hidden=128, ffn=64,
+                                   max_num_tokens=4, num_shared_experts=2),
 }
 
 
