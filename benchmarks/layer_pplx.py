@@ -240,6 +240,28 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+LOUD = "!" * 20  # after every incorrect result in the log
+
+
+def check_line(checked: dict, tol: float) -> str:
+    """The log line of a check (check_case's dict)."""
+    flag = "correct" if checked["correct"] else "INCORRECT " + LOUD
+    err = checked["max_rel_err"]
+    return (f"check T={checked['check_tokens']}: {flag}: max_rel_err "
+            f"{'-' if err is None else format(err, '.3e')} (tol {tol}), route mismatches "
+            f"{checked['route_mismatch_tokens']}, weight diff "
+            f"{checked['route_weight_max_diff']:.1e}")
+
+
+def row_line(r: dict) -> str:
+    """The log line of a row."""
+    return (f"{r['variant']:6s} per layer {fmt(r['per_layer_us'])} us, intercept "
+            f"{fmt(r['intercept_us'])}, elapsed {[fmt(v) for v in r['elapsed_us']]} at "
+            f"K={r['ks']}; weight floor {fmt(r['weight_floor_us'])} us "
+            f"({fmt(r['busiest_rank_live_experts'])} live experts); correct {r['correct']}"
+            f"{'' if r['correct'] else ' ' + LOUD}{'; ' + r['note'] if r.get('note') else ''}")
+
+
 def default_budget(timeout_s: float) -> float:
     """The ranks' budget for a launcher --timeout: what is left after NVSHMEM init and a
     margin for the case in flight and the teardown."""
@@ -259,7 +281,8 @@ def int_list(text: str, name: str, minimum: int) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{name}: comma list of integers, got {text!r}") from None
     if not vals or min(vals) < minimum:
-        raise argparse.ArgumentTypeError(f"{name}: comma list of integers >= {minimum}, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"{name}: comma list of integers >= {minimum}, got {text!r}")
     return vals
 
 
@@ -281,13 +304,14 @@ def load_peer(directory: str):
     os.environ["PPLX_PEER_DIR"] = directory
     if directory not in sys.path:
         sys.path.insert(0, directory)
-    spec = importlib.util.spec_from_file_location("loop_pplx", os.path.join(directory, "loop_pplx.py"))
+    path = os.path.join(directory, "loop_pplx.py")
+    spec = importlib.util.spec_from_file_location("loop_pplx", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     for name in ("launch", "run_ranks", "fit_line", "median_of_max", "all_ranks_true",
                  "gather_json", "pplx_commit"):
         if not hasattr(mod, name):
-            raise ImportError(f"{directory}/loop_pplx.py has no {name}(): not the expected peer harness")
+            raise ImportError(f"{path} has no {name}(): not the expected peer harness")
     return mod
 
 
@@ -305,7 +329,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
     p.add_argument("--shared-experts", default="0", help="S shared experts, comma list (rows each)")
     p.add_argument("--loop-input", choices=LOOP_INPUTS, default="first",
-                   help="first: every layer reads the same x; output: the last output, RMS-normalised")
+                   help="first: every layer reads the same x; output: the last output, "
+                        "RMS-normalised")
     # 8: insurance. torch._grouped_mm's setup kernel asserts on the device that group sizes
     # are multiples of 16 bytes / element for its 2D x 2D and 3D x 2D forms (GroupMMCommon.cuh)
     # and on none for ours (2D x 3D, row-major A); a device assert would end the one run, while
@@ -318,7 +343,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check-tokens", type=int, default=2, help="tokens per rank of the check case")
     p.add_argument("--check-gflop", type=float, default=50.0,
-                   help="also check a timed case where the oracle's GFLOP per rank is below this (0: never)")
+                   help="also check a timed case where the oracle's GFLOP per rank is below "
+                        "this (0: never)")
     p.add_argument("--tol", type=float, default=3e-2, help="max_rel_err bound of correct")
     p.add_argument("--hbm-mib", type=int, default=256, help="MiB per rank of the bandwidth probe")
     p.add_argument("--hbm-inner", type=int, default=8, help="passes per bandwidth sample")
@@ -481,10 +507,9 @@ class PplxLayer:
 
     def quantize(self, xf):
         """(q [T, H] fp8, scale [T, H/128] f32): scale = max(amax, 1e-12) / 448 per block."""
-        torch = self.torch
         blocks = xf.view(self.T, self.S_blocks, BLOCK)
         scale = blocks.abs().amax(dim=-1).clamp(min=oracle.SCALE_FLOOR) / FP8_MAX
-        q = (blocks / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        q = (blocks / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(self.torch.float8_e4m3fn)
         return q.view(self.T, self.H), scale
 
     def shared_mlp(self, x):
@@ -517,7 +542,6 @@ class PplxLayer:
 
     def forward(self, x):
         """x [T, H] bf16 -> y [T, H] bf16 (self.y itself without shared experts)."""
-        torch = self.torch
         xf = x.float()
         indices, weights = self.route(xf)
         q, scale = self.quantize(xf)
@@ -635,7 +659,7 @@ def measure_hbm(ctx: dict) -> dict:
     everyone = loop.gather_json(mine, ctx["world"])
     t_read = loop.median_of_max([p["read"] for p in everyone])
     t_copy = loop.median_of_max([p["copy"] for p in everyone])
-    del buf, dst
+    buf = dst = None  # freed: the closures above are done with them
     torch.cuda.empty_cache()
     read_bps = n * 2 * inner / (t_read * 1e-6)
     copy_bps = 2 * half * 2 * inner / (t_copy * 1e-6)  # read + written bytes
@@ -648,7 +672,8 @@ def check_case(ctx: dict, layer: PplxLayer, w: ConfigWeights, case: dict, y, sou
     regenerates this rank's experts from the seed; "device": it copies them back."""
     import numpy as np
 
-    torch, dist, loop, rank, world = ctx["torch"], ctx["dist"], ctx["loop"], ctx["rank"], ctx["world"]
+    torch, dist, loop = ctx["torch"], ctx["dist"], ctx["loop"]
+    rank, world = ctx["rank"], ctx["world"]
     T, H, k, L = layer.T, w.H, w.k, w.L
     indices, weights = layer.last_routing
     mine_idx, mine_w = indices.cpu(), weights.float().cpu()
@@ -703,7 +728,7 @@ def run_case(ctx: dict, w: ConfigWeights, T: int, timing: bool, check: str | Non
     from pplx_kernels import AllToAll
 
     torch, dist, loop, args = ctx["torch"], ctx["dist"], ctx["loop"], ctx["args"]
-    rank, world, dev, clock = ctx["rank"], ctx["world"], ctx["dev"], ctx["clock"]
+    rank, world, dev = ctx["rank"], ctx["world"], ctx["dev"]
     case = oracle.make_case(w.name, T, world, args.seed, w.S)
     x = torch.from_numpy(case["x"][rank]).to(dev).to(torch.bfloat16)  # exact
     ata = AllToAll.internode(
@@ -790,7 +815,8 @@ def time_layers(ctx: dict, layer: PplxLayer, x) -> dict:
                 result["unsupported"].setdefault(variant, "skipped: --budget-s spent")
                 break
             if variant == "eager":
-                result["runs"][variant][str(K)] = clock.timed(lambda K=K: layers(K), args.warmup, args.reps)
+                result["runs"][variant][str(K)] = clock.timed(lambda K=K: layers(K),
+                                                              args.warmup, args.reps)
                 continue
             if variant in result["unsupported"]:
                 break
@@ -798,7 +824,8 @@ def time_layers(ctx: dict, layer: PplxLayer, x) -> dict:
             if not loop.all_ranks_true(g is not None):  # every rank captured
                 result["unsupported"][variant] = why or "capture failed on another rank"
                 if ctx["rank"] == 0:
-                    print(f"    {variant} K={K}: unsupported ({result['unsupported'][variant]})", flush=True)
+                    print(f"    {variant} K={K}: unsupported ({result['unsupported'][variant]})",
+                          flush=True)
                 del g
                 break
             result["runs"][variant][str(K)] = clock.timed(g.replay, args.warmup, args.reps)
@@ -834,7 +861,8 @@ def case_rows(ctx: dict, w: ConfigWeights, T: int, got: dict | None, checked: di
                     correct_after=None)
         return [dict(base, variant=v, per_layer_us=None, intercept_us=None, ks=list(args.ks),
                      elapsed_us=[None] * len(args.ks)) for v in args.variants]
-    base.update(floor_fields(got["live_per_layer"], w.H, w.F, w.S, ctx["hbm"].get("hbm_bytes_per_s")))
+    base.update(floor_fields(got["live_per_layer"], w.H, w.F, w.S,
+                             ctx["hbm"].get("hbm_bytes_per_s")))
     base.update(live_experts_per_rank=got["live_experts_per_rank"],
                 live_rows_per_rank=got["live_rows_per_rank"],
                 packed_rows_bound=got["packed_rows_bound"],
@@ -864,7 +892,9 @@ def rank_main(args: argparse.Namespace) -> int:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     t_start = time.time()
-    budget = args.budget_s if args.budget_s is not None else float(os.environ.get("LAYER_PPLX_BUDGET_S", 600))
+    budget = args.budget_s
+    if budget is None:
+        budget = float(os.environ.get("LAYER_PPLX_BUDGET_S", 600))
     if torch.cuda.device_count() == 0:
         print(f"[rank {rank}] no CUDA device visible", flush=True)
         return 1
@@ -923,7 +953,8 @@ def rank_main(args: argparse.Namespace) -> int:
         print(f"layer_pplx: world={world} gpu={props.name} ({result['gpu_count']} GPU(s), "
               f"{props.multi_processor_count} SMs visible per rank) torch={torch.__version__} "
               f"grouped_gemm={ctx['gemm_name']} ks={args.ks} reps={args.reps} "
-              f"loop_input={args.loop_input} budget {budget:.0f} s; init {time.time() - t_start:.1f} s",
+              f"loop_input={args.loop_input} budget {budget:.0f} s; "
+              f"init {time.time() - t_start:.1f} s",
               flush=True)
         if not usable:
             print(f"layer_pplx: WARNING: {ctx['gemm_name']}", flush=True)
@@ -932,8 +963,10 @@ def rank_main(args: argparse.Namespace) -> int:
         ctx["hbm"] = measure_hbm(ctx)
         result.update(ctx["hbm"])
         if rank == 0:
-            print(f"  HBM per rank, all ranks at once: read {ctx['hbm']['hbm_read_bytes_per_s'] / 1e9:.0f} GB/s, "
-                  f"copy {ctx['hbm']['hbm_copy_bytes_per_s'] / 1e9:.0f} GB/s (read + write)", flush=True)
+            hbm = ctx["hbm"]
+            print(f"  HBM per rank, all ranks at once: read "
+                  f"{hbm['hbm_read_bytes_per_s'] / 1e9:.0f} GB/s, copy "
+                  f"{hbm['hbm_copy_bytes_per_s'] / 1e9:.0f} GB/s (read + write)", flush=True)
         for name in args.configs:
             E = oracle.CONFIGS[name][0]
             if E % world or world < 2:
@@ -966,16 +999,13 @@ def rank_main(args: argparse.Namespace) -> int:
                 t0 = time.time()
                 checked = run_case(ctx, w, args.check_tokens, timing=False, check="seed")["check"]
                 if rank == 0:
-                    flag = "correct" if checked["correct"] else "INCORRECT " + "!" * 20
-                    err = checked["max_rel_err"]
-                    print(f"  {name} S={S} check T={args.check_tokens}: {flag}: max_rel_err "
-                          f"{'-' if err is None else format(err, '.3e')} (tol {args.tol}), route mismatches "
-                          f"{checked['route_mismatch_tokens']}, weight diff "
-                          f"{checked['route_weight_max_diff']:.1e} ({time.time() - t0:.1f} s)", flush=True)
+                    print(f"  {name} S={S} " + check_line(checked, args.tol)
+                          + f" ({time.time() - t0:.1f} s)", flush=True)
                 for T in args.tokens:
                     go = loop.all_ranks_true(time.time() < ctx["deadline"])
                     if not go:
-                        rows = case_rows(ctx, w, T, None, checked, None, note="skipped: --budget-s spent")
+                        rows = case_rows(ctx, w, T, None, checked, None,
+                                         note="skipped: --budget-s spent")
                     else:
                         result["in_progress"] = f"{name} S={S} T={T}"
                         write()
@@ -988,12 +1018,7 @@ def rank_main(args: argparse.Namespace) -> int:
                     result["rows"] += rows
                     if rank == 0:
                         for r in rows:
-                            print(f"    {r['variant']:6s} per layer {fmt(r['per_layer_us'])} us, "
-                                  f"intercept {fmt(r['intercept_us'])}, elapsed "
-                                  f"{[fmt(v) for v in r['elapsed_us']]} at K={r['ks']}; weight floor "
-                                  f"{fmt(r['weight_floor_us'])} us ({fmt(r['busiest_rank_live_experts'])} "
-                                  f"live experts); correct {r['correct']}{'' if r['correct'] else ' ' + '!' * 20}"
-                                  f"{'; ' + r['note'] if r.get('note') else ''}", flush=True)
+                            print("    " + row_line(r), flush=True)
                     write()
             del w
             gc.collect()
@@ -1019,9 +1044,10 @@ def rank_main(args: argparse.Namespace) -> int:
         print()
         print(markdown(result["rows"]))
         bad = [r for r in result["rows"] if r.get("per_layer_us") is not None and not r["correct"]]
-        print(f"\nwrote {out} ({len(result['rows'])} rows) in {time.time() - t_start:.1f} s", flush=True)
+        print(f"\nwrote {out} ({len(result['rows'])} rows) in {time.time() - t_start:.1f} s",
+              flush=True)
         if bad:
-            print(f"INCORRECT: {len(bad)} timed rows failed the check " + "!" * 20, flush=True)
+            print(f"INCORRECT: {len(bad)} timed rows failed the check " + LOUD, flush=True)
             return 1
     return 0
 
