@@ -72,8 +72,10 @@ elapsed_per_layer_us, per_rank_elapsed_us, floor_us, weight_floor_us, comm_floor
 hbm_bytes_per_s, busiest_rank_live_experts, weight_bytes_busiest, live_experts_per_rank,
 live_rows_per_rank, packed_rows_bound (M), packed_rows_needed, capacity_factor, group_align,
 grouped_gemm, loop_input, correct, max_rel_err, check_tokens, check_source,
-route_mismatch_tokens, config_check, correct_after, note}. Rank 0 prints a markdown table.
-Cases past --budget-s are recorded as skipped rows (per_layer_us null, note says so).
+route_mismatch_tokens, config_check, correct_after, graph_mismatch_ks (graph rows: the K
+whose replays left combine's output unlike the eager layer's; --loop-input first), note}.
+Rank 0 prints a markdown table. Cases past --budget-s are recorded as skipped rows
+(per_layer_us null, note says so).
 """
 
 from __future__ import annotations
@@ -454,6 +456,15 @@ def device_sync(torch) -> None:
         torch.cuda.synchronize()
 
 
+def memory_note(torch) -> str:
+    """The GPU's free memory (every rank shares it), for the log; "" where unknown."""
+    try:
+        free, total = torch.cuda.mem_get_info()
+    except Exception:  # noqa: BLE001 - CPU tests, old drivers
+        return ""
+    return f"GPU memory {free / 2**30:.1f} of {total / 2**30:.1f} GiB free"
+
+
 def free_cache(torch) -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -739,6 +750,7 @@ def run_case(ctx: dict, w: ConfigWeights, T: int, timing: bool, check: str | Non
         layer = PplxLayer(torch, ata, w, T, world, dev, args.group_align, ctx["gemm"],
                           args.capacity_factor)
         y0 = layer.forward(x).clone()
+        combined0 = layer.y.clone()  # combine's output, before the shared experts' add
         device_sync(torch)
         counts = [int(v) for v in layer.counts.tolist()]
         per_rank = loop.gather_json(counts, world)
@@ -765,7 +777,8 @@ def run_case(ctx: dict, w: ConfigWeights, T: int, timing: bool, check: str | Non
             out["live_per_layer"] = [live_first]
         out["packed_rows_needed"] = max(needed)
         if timing:
-            out["timing"] = time_layers(ctx, layer, x)
+            out["timing"] = time_layers(ctx, layer, x,
+                                        combined0 if args.loop_input == "first" else None)
             y1 = layer.forward(x).clone()
             device_sync(torch)
             same = oracle.rel_err(y1.float().cpu().numpy(), y0.float().cpu().numpy()) <= 1e-2
@@ -780,9 +793,10 @@ def run_case(ctx: dict, w: ConfigWeights, T: int, timing: bool, check: str | Non
     return out
 
 
-def time_layers(ctx: dict, layer: PplxLayer, x) -> dict:
-    """Every variant and K: {"runs": {variant: {str(K): [us per rep]}}, "unsupported": {...}}
-    for this rank (collective)."""
+def time_layers(ctx: dict, layer: PplxLayer, x, combined0=None) -> dict:
+    """Every variant and K: {"runs": {variant: {str(K): [us per rep]}}, "unsupported": {...},
+    "graph_mismatch": [K whose replays left combine's output unlike the eager layer's
+    combined0]} for this rank (collective; combined0 None: not compared)."""
     torch, loop, args, clock = ctx["torch"], ctx["loop"], ctx["args"], ctx["clock"]
 
     def layers(K: int) -> None:
@@ -792,7 +806,7 @@ def time_layers(ctx: dict, layer: PplxLayer, x) -> dict:
             if args.loop_input == "output" and i + 1 < K:
                 h = renorm(torch, y)
 
-    result = {"runs": {}, "unsupported": {}}
+    result = {"runs": {}, "unsupported": {}, "graph_mismatch": []}
     side = None  # the capture stream, warmed up by one eager layer (torch's advice for graphs:
     # lazily created per-stream state such as cuBLAS workspaces exists before the capture)
     if "graph" in args.variants:
@@ -830,6 +844,11 @@ def time_layers(ctx: dict, layer: PplxLayer, x) -> dict:
                 break
             result["runs"][variant][str(K)] = clock.timed(g.replay, args.warmup, args.reps)
             device_sync(torch)
+            if combined0 is not None:  # the replayed layers computed what the eager one did
+                same = oracle.rel_err(layer.y.float().cpu().numpy(),
+                                      combined0.float().cpu().numpy()) <= 1e-2
+                if not loop.all_ranks_true(same):
+                    result["graph_mismatch"].append(K)
             del g
             free_cache(torch)
     return result
@@ -874,7 +893,17 @@ def case_rows(ctx: dict, w: ConfigWeights, T: int, got: dict | None, checked: di
         base["note"] = "; ".join(n for n in (base["note"], (
             f"capacity overflow: {got['packed_rows_needed']} packed rows needed, "
             f"{got['packed_rows_bound']} held")) if n)
-    return summarize(base, everyone, args.variants, args.ks, ctx["loop"])
+    rows = summarize(base, everyone, args.variants, args.ks, ctx["loop"])
+    mismatch = sorted({K for p in everyone for K in p.get("graph_mismatch", [])})
+    for r in rows:
+        if r["variant"] == "graph":
+            r["graph_mismatch_ks"] = mismatch
+            if mismatch:  # the replayed graph computed something else: its times do not count
+                r["correct"] = False
+                r["note"] = "; ".join(n for n in (r["note"], (
+                    f"graph replays' output differs from the eager layer's at K={mismatch}"))
+                    if n)
+    return rows
 
 
 def rank_main(args: argparse.Namespace) -> int:
@@ -1009,6 +1038,8 @@ def rank_main(args: argparse.Namespace) -> int:
                     else:
                         result["in_progress"] = f"{name} S={S} T={T}"
                         write()
+                        if rank == 0:
+                            print(f"  {name} S={S} T={T}: {memory_note(torch)}", flush=True)
                         t0 = time.time()
                         got = run_case(ctx, w, T, timing=True, check="auto")
                         everyone = loop.gather_json(got["timing"], world)

@@ -287,6 +287,32 @@ def test_summarize_fits_the_slope_over_k():
     assert "| tiny | 0 | 1 | graph | 30.0 | 40.0 | 15.0 | 2.00 | 4 | True | 1.00e-03 |" in table
 
 
+def test_case_rows_mark_a_graph_mismatch_and_an_overflow():
+    loop = peer_module()
+    if loop is None:
+        pytest.skip("no peer folder (loop_pplx.py) here")
+    args = LP.parse_args(["--ks", "1,4", "--reps", "1"])
+    ctx = dict(args=args, loop=loop, gemm_name="torch._grouped_mm",
+               hbm={"hbm_bytes_per_s": 1e12})
+    w = LP.ConfigWeights.dims_only("tiny", 8)
+    got = dict(live_per_layer=[[2, 1]], live_experts_per_rank=[2, 1], live_rows_per_rank=[5, 2],
+               packed_rows_bound=40, packed_rows_needed=16, correct_after=True)
+    checked = dict(correct=True, max_rel_err=1e-3, check_tokens=2, route_mismatch_tokens=0,
+                   check_source="seed")
+    runs = {"graph": {"1": [10.0], "4": [25.0]}, "eager": {"1": [20.0], "4": [50.0]}}
+    everyone = [{"runs": runs, "unsupported": {}, "graph_mismatch": [4]},
+                {"runs": runs, "unsupported": {}, "graph_mismatch": []}]
+    graph, eager = LP.case_rows(ctx, w, 2, got, checked, everyone)
+    assert not graph["correct"] and graph["graph_mismatch_ks"] == [4] and "K=[4]" in graph["note"]
+    assert eager["correct"] and eager["per_layer_us"] == pytest.approx(10)
+    assert graph["busiest_rank_live_experts"] == 2 and graph["weight_floor_us"] > 0
+    got["packed_rows_needed"] = 41  # more than the buffer held: rows were dropped
+    assert not any(r["correct"] for r in LP.case_rows(ctx, w, 2, got, checked, everyone))
+    skipped = LP.case_rows(ctx, w, 4, None, checked, None, note="skipped: --budget-s spent")
+    assert [r["per_layer_us"] for r in skipped] == [None, None]
+    assert skipped[0]["note"] == "skipped: --budget-s spent"
+
+
 # -- the layer on CPU (torch only) -------------------------------------------------------------
 class Fabric:
     """What the ranks (threads) exchange: exchange(rank, value) -> every rank's value."""
