@@ -25,7 +25,9 @@ local experts; P = T*world rows per local expert in pplx's padded buffers):
      padding rows read a zero row), M = packed_rows_bound (the worst case; --capacity-factor f:
      f x the mean, rows past it dropped and the row marked incorrect), the gather index
      computed on the device from cumsum(counts) (compaction_index), rows past the live total
-     pointing at the zero row; pre = grouped_mm(x, w_in [L, H, 2F]) (gate [:F], up [F:]),
+     pointing at the zero row; pre = grouped_mm(x, w_in [L, H, 2F]) (gate [:F], up [F:];
+     the weights stored [out, in] as nn.Linear's and read through transposed views, as
+     torchtitan calls torch._grouped_mm; --weight-layout n_major: stored as read),
      h = silu(gate) * up (bf16), out = grouped_mm(h, w_out [L, F, H]), scattered back into
      pplx's expert_y [L, P, H] bf16 (padding and idle rows into a sink row combine never reads).
      Without torch._grouped_mm (or if its probe fails): torch.bmm over every padded row,
@@ -102,6 +104,7 @@ import layer_oracle as oracle  # noqa: E402  (numpy only)
 METHOD = "pplx_torch_layer"
 VARIANTS = ("graph", "eager")
 LOOP_INPUTS = ("first", "output")
+WEIGHT_LAYOUTS = ("k_major", "n_major")  # how the expert weights are stored (ConfigWeights)
 BLOCK = oracle.BLOCK
 FP8_MAX = oracle.FP8_MAX
 NO_GROUPED_MM = "torch.bmm over every padded row"  # the fallback's name in "grouped_gemm"
@@ -342,6 +345,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--capacity-factor", type=float, default=None,
                    help="packed rows = this x the mean live rows per rank (default: the worst "
                         "case, nothing dropped); rows past it are dropped and the row says so")
+    p.add_argument("--weight-layout", choices=WEIGHT_LAYOUTS, default="k_major",
+                   help="k_major: expert weights stored [out, in] as nn.Linear does, read "
+                        "through transposed views (torchtitan's grouped_mm call); n_major: "
+                        "stored as read")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check-tokens", type=int, default=2, help="tokens per rank of the check case")
     p.add_argument("--check-gflop", type=float, default=50.0,
@@ -409,24 +416,41 @@ def launch_main(args: argparse.Namespace, argv: list[str]) -> int:
 class ConfigWeights:
     """One rank's device weights of a config: its L experts' w_in [L, H, 2F], w_out [L, F, H]
     (bf16), the router [H, E] (f32), built from layer_oracle's generators (so every rank,
-    and the oracle, has the same values); shared experts set by set_shared."""
+    and the oracle, has the same values); shared experts set by set_shared.
 
-    def __init__(self, torch, name: str, world: int, rank: int, seed: int, dev) -> None:
+    layout "k_major" (the default): stored as nn.Linear stores weights, [out, in] (w_in as
+    [L, 2F, H]), and w_in / w_out are their transposed views, as torchtitan passes its expert
+    weights to torch._grouped_mm (both GEMM operands K-major). "n_major": stored as the views
+    read, [L, H, 2F] and [L, F, H] contiguous."""
+
+    def __init__(self, torch, name: str, world: int, rank: int, seed: int, dev,
+                 layout: str = "k_major") -> None:
+        if layout not in WEIGHT_LAYOUTS:
+            raise ValueError(f"weight layout {layout!r}; expected one of {WEIGHT_LAYOUTS}")
         self.name = name
         self.E, self.k, self.H, self.F = oracle.CONFIGS[name]
         self.L = self.E // world
-        self.rank, self.seed, self.dev = rank, seed, dev
+        self.rank, self.seed, self.dev, self.layout = rank, seed, dev, layout
         case = oracle.make_case(name, 1, 0, seed)  # weights only (lazy), no tokens
         self.router = torch.from_numpy(case["router"]).to(dev)
-        self.w_in = torch.empty((self.L, self.H, 2 * self.F), dtype=torch.bfloat16, device=dev)
-        self.w_out = torch.empty((self.L, self.F, self.H), dtype=torch.bfloat16, device=dev)
+        self.w_in = self.stack(torch, (self.H, 2 * self.F))
+        self.w_out = self.stack(torch, (self.F, self.H))
         for le in range(self.L):  # one expert at a time: R1's f32 host copies would be 5.6 GB
             e = rank * self.L + le
-            self.w_in[le].copy_(host_bf16(torch, case["w_in"][e]))
+            self.w_in[le].copy_(host_bf16(torch, case["w_in"][e]))  # copy_ follows the strides
             self.w_out[le].copy_(host_bf16(torch, case["w_out"][e]))
         device_sync(torch)
         self.S = 0
         self.shared_in = self.shared_out = None
+
+    def stack(self, torch, shape):
+        """An uninitialized bf16 [L, *shape] stack in this layout (a transposed view if
+        k_major)."""
+        rows, cols = shape
+        if self.layout == "n_major":
+            return torch.empty((self.L, rows, cols), dtype=torch.bfloat16, device=self.dev)
+        t = torch.empty((self.L, cols, rows), dtype=torch.bfloat16, device=self.dev)
+        return t.transpose(1, 2)
 
     @classmethod
     def dims_only(cls, name: str, world: int) -> "ConfigWeights":
@@ -439,8 +463,19 @@ class ConfigWeights:
 
     def set_shared(self, torch, S: int, case: dict) -> None:
         self.S = S
-        self.shared_in = host_bf16(torch, case["shared_in"]).to(self.dev) if S else None
-        self.shared_out = host_bf16(torch, case["shared_out"]).to(self.dev) if S else None
+        self.shared_in = self.shared_out = None
+        if S:
+            for name in ("shared_in", "shared_out"):
+                host = host_bf16(torch, case[name])
+                dev = self.matrix(torch, tuple(host.shape))
+                dev.copy_(host)
+                setattr(self, name, dev)
+
+    def matrix(self, torch, shape):
+        """An uninitialized bf16 2D view of `shape` in this layout."""
+        if self.layout == "n_major":
+            return torch.empty(shape, dtype=torch.bfloat16, device=self.dev)
+        return torch.empty(shape[::-1], dtype=torch.bfloat16, device=self.dev).t()
 
     def local_expert_host(self, torch, le: int):
         """(w_in[le], w_out[le]) copied back from the device as f32 numpy (a timed case's
@@ -859,6 +894,7 @@ def base_row(w: ConfigWeights, T: int, ctx: dict) -> dict:
     return dict(method=METHOD, config=w.name, num_experts=w.E, experts_per_token=w.k,
                 hidden=w.H, ffn=w.F, num_shared_experts=w.S, gated=True, tokens_per_rank=T,
                 dispatch_dtype="fp8_e4m3", grouped_gemm=ctx["gemm_name"],
+                weight_layout=ctx["args"].weight_layout,
                 group_align=ctx["args"].group_align, loop_input=ctx["args"].loop_input)
 
 
@@ -965,6 +1001,7 @@ def rank_main(args: argparse.Namespace) -> int:
         "mps_share": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
         "ks": args.ks, "reps": args.reps, "warmup": args.warmup, "loop_input": args.loop_input,
         "group_align": args.group_align, "capacity_factor": args.capacity_factor,
+        "weight_layout": args.weight_layout,
         "tol": args.tol, "budget_s": budget,
         "in_progress": "bandwidth probe", "error": None, "rows": [],
     }
@@ -1014,7 +1051,7 @@ def rank_main(args: argparse.Namespace) -> int:
             result["in_progress"] = f"{name}: weights"
             write()
             t0 = time.time()
-            w = ConfigWeights(torch, name, world, rank, args.seed, dev)
+            w = ConfigWeights(torch, name, world, rank, args.seed, dev, args.weight_layout)
             if rank == 0:
                 print(f"{name}: E={w.E} k={w.k} H={w.H} F={w.F} L={w.L}: weights on the device in "
                       f"{time.time() - t0:.1f} s", flush=True)

@@ -505,9 +505,11 @@ class WallClock:
 
 
 @pytest.mark.skipif(torch is None, reason="torch not installed (any CPU build runs this)")
-@pytest.mark.parametrize("gemm,shared,loop_input,capacity", [
-    ("grouped", 0, "first", None), ("bmm", 1, "output", None), ("grouped", 0, "first", 0.05)])
-def test_layer_on_cpu_matches_the_oracle(monkeypatch, gemm, shared, loop_input, capacity):
+@pytest.mark.parametrize("gemm,shared,loop_input,capacity,layout", [
+    ("grouped", 0, "first", None, "k_major"), ("grouped", 1, "first", None, "n_major"),
+    ("bmm", 1, "output", None, "k_major"), ("grouped", 0, "first", 0.05, "k_major")])
+def test_layer_on_cpu_matches_the_oracle(monkeypatch, gemm, shared, loop_input, capacity,
+                                         layout):
     if gemm == "grouped" and not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no _grouped_mm")
     torch.set_num_threads(1)
@@ -531,7 +533,9 @@ def test_layer_on_cpu_matches_the_oracle(monkeypatch, gemm, shared, loop_input, 
             ctx = dict(torch=torch, dist=StandInDist(fabric, r), loop=StandInLoop(fabric, r),
                        args=args, rank=r, world=world, dev=torch.device("cpu"), clock=WallClock(),
                        deadline=time.time() + 600, gemm=gemm)
-            w = LP.ConfigWeights(torch, "tiny", world, r, args.seed, ctx["dev"])
+            w = LP.ConfigWeights(torch, "tiny", world, r, args.seed, ctx["dev"], layout)
+            assert w.w_in.shape == (w.L, w.H, 2 * w.F)
+            assert w.w_in.stride(1) == (1 if layout == "k_major" else 2 * w.F)
             w.set_shared(torch, shared,
                          oracle.make_case("tiny", 1, 0, args.seed, shared) if shared else {})
             checked = LP.run_case(ctx, w, 2, timing=False, check="seed")
