@@ -39,18 +39,23 @@ What is measured, per (config, tokens per rank, S, variant):
 - compiled_programs: XLA executables compiled by the first call of each K's step (jax's
   backend-compile events), per K; compiled_programs_constant says whether it is the same for
   every K, recompiles whether any timed or warm-up call compiled again (it must not).
-- the floor: busiest_rank_live_experts, the local experts with >= 1 row on the busiest rank,
-  from the routing of the timed layers' inputs (a jitted scan of the same chained layers
-  counts expert rows per rank; counts are summed on the host through the key-value store,
-  since NCCL refuses 8 ranks on one GPU), averaged over the layers;
-  weight_bytes_busiest = that * (H*2F + F*H) * 2 (bf16; H*F + F*H ungated) + the shared
-  experts' weights (every rank reads them once per layer); hbm_bytes_per_s: bytes per second
-  one rank reads while every rank reads at once (a reduction over its local experts' weights,
-  written out --hbm-n times between the events, slope); weight_floor_us = weight_bytes_busiest
-  / hbm_bytes_per_s; comm_floor_us: bench_loop's floor-barrier-2calls (two data-free kernels
-  that each cross every rank, chained as dispatch and combine are, K cycles, slope) on the
-  row's handle; floor_us = max(weight, comm) (the GEMMs and the flights can overlap),
-  floor_sum_us = their sum, ratio_floor = per_layer_us / floor_us.
+- the floor: live experts per rank (>= 1 row) from the routing of the timed layers' inputs (a
+  jitted scan of the same chained layers counts expert rows per sender; the counts are summed
+  on the host through the key-value store, since NCCL refuses 8 ranks on one GPU);
+  busiest_rank_live_experts and weight_bytes_busiest = that * (H*2F + F*H) * 2 (bf16; H*F +
+  F*H ungated) + the shared experts' weights (every rank reads them once per layer), averaged
+  over the layer inputs. hbm_bytes_per_s: one rank's bytes per second reading its local
+  experts' weights (a reduction written out --hbm-n times between the events, slope) while
+  every rank reads at once; hbm_bytes_per_s_alone: rank 0 alone. weight_floor_busiest_us =
+  weight_bytes_busiest / hbm_bytes_per_s (issue 47's formula: below a layer's true floor
+  only if ranks are even, above it when they are not, since the others then leave the busiest
+  bandwidth: measured on an H100, R1 at 1 token ran at 0.89x it); weight_floor_us, the floor
+  used: per layer max(the busiest rank's bytes at the alone rate, the bytes of every rank on
+  the busiest GPU at their all-at-once rate) (weight_floors below). comm_floor_us:
+  bench_loop's floor-barrier-2calls (two data-free kernels that each cross every rank,
+  chained as dispatch and combine are, K cycles, slope) on the row's handle; floor_us =
+  max(weight, comm) (the GEMMs and the flights can overlap), floor_sum_us = their sum,
+  ratio_floor = per_layer_us / floor_us.
 - correct, max_rel_err: before a config's first row, the layer on a small case (4 tokens per
   rank) against benchmarks/layer_oracle.py (numpy; same weights and x), tolerance --tol; a
   config whose case does not fit --check-max-gb of host memory per process (R1) is checked at
@@ -70,7 +75,8 @@ num_experts, experts_per_token, hidden, ffn, num_shared_experts, gated, tokens_p
 dispatch_dtype: "fp8_e4m3", layout, variant, per_layer_us, intercept_us, ks, elapsed_us,
 floor_us, floor_sum_us, weight_floor_us, comm_floor_us, hbm_bytes_per_s,
 busiest_rank_live_experts, weight_bytes_busiest, ratio_floor, compiled_programs, correct,
-max_rel_err, error} plus clock, status, tokamax_impl, check_shape, oracle, k_errors, ...
+max_rel_err, error} plus clock, status, tokamax_impl, check_shape, oracle, k_errors,
+weight_floor_busiest_us, hbm_bytes_per_s_alone, memory_gib_by_k, hlo_copy_bytes_by_k, ...
 benchmarks/layer_compare.py joins it with the peer's rows (layer_pplx.py).
 """
 
@@ -137,29 +143,59 @@ def expert_bytes(hidden: int, ffn: int, gated: bool) -> int:
     return (hidden * (2 if gated else 1) * ffn + ffn * hidden) * 2
 
 
-def busiest_live(counts, world: int) -> list[int]:
-    """counts [layers, E] rows per expert (summed over every sender) -> per layer the most
-    local experts with >= 1 row on any rank (rank r holds experts [r*L, (r+1)*L))."""
+def live_per_rank(counts, world: int) -> list[list[int]]:
+    """counts [layers, E] rows per expert (summed over every sender) -> [layers][rank] local
+    experts with >= 1 row (rank r holds experts [r*L, (r+1)*L))."""
     c = np.asarray(counts)
-    live = (c.reshape(c.shape[0], world, c.shape[1] // world) > 0).sum(axis=-1)
-    return [int(v) for v in live.max(axis=1)]
+    return (c.reshape(c.shape[0], world, c.shape[1] // world) > 0).sum(axis=-1).tolist()
 
 
-def floors(live: float | None, per_expert: int, shared: int, hbm_bps: float | None,
-           comm_us: float | None) -> dict:
-    """The floor fields of a row: weights of the busiest rank's live experts (plus the shared
-    experts') read once at hbm_bps, the data-free cycle, their max and sum (None where a part
-    is missing: max and sum need both)."""
-    out = dict(weight_bytes_busiest=None, weight_floor_us=None, comm_floor_us=comm_us,
-               floor_us=None, floor_sum_us=None)
-    if live is not None:
-        out["weight_bytes_busiest"] = int(round(live * per_expert)) + shared
-        if hbm_bps:
-            out["weight_floor_us"] = out["weight_bytes_busiest"] / hbm_bps * 1e6
-    w = out["weight_floor_us"]
-    if w is not None and comm_us is not None:
-        out["floor_us"], out["floor_sum_us"] = max(w, comm_us), w + comm_us
+def weight_floors(live, groups, per_expert: int, shared: int, bps_rank_all, bps_alone) -> dict:
+    """The weights' floor of a layer, per layer input then averaged over them.
+
+    live [layers][rank] local experts with rows; groups[rank]: which GPU the rank is on;
+    bps_rank_all: one rank's bytes/s while every rank of its GPU reads at once (the GPU's HBM
+    split between them); bps_alone: one rank's bytes/s reading alone. A layer ends when its
+    busiest rank has read its live experts' (and the shared experts') weights once, and not
+    before its GPU has served every rank's such bytes. So per layer
+        max(busiest rank's bytes / bps_alone,  busiest GPU's bytes / (its ranks * bps_rank_all)).
+    Where every rank is equally busy the second is the busiest rank's bytes / bps_rank_all:
+    weight_floor_busiest_us (that figure for the busiest rank whatever the balance, issue 47's
+    first formula; above the floor when ranks are unequal: the others leave it bandwidth)."""
+    out = dict(busiest_rank_live_experts=None, weight_bytes_busiest=None, weight_floor_us=None,
+               weight_floor_busiest_us=None, weight_floor_alone_us=None,
+               weight_floor_gpu_us=None)
+    if not live:
+        return out
+    members = {}
+    for r, g in enumerate(groups):
+        members.setdefault(g, []).append(r)
+    busiest = [max(layer) for layer in live]
+    bytes_busiest = [b * per_expert + shared for b in busiest]
+    # the busiest GPU's bytes per layer, as the time its ranks' share of HBM takes
+    gpu_us = ([max(sum(layer[r] * per_expert + shared for r in rs) / (len(rs) * bps_rank_all)
+                   for rs in members.values()) * 1e6 for layer in live] if bps_rank_all else None)
+    alone_us = [b / bps_alone * 1e6 for b in bytes_busiest] if bps_alone else None
+    mean = statistics.fmean
+    out.update(busiest_rank_live_experts=mean(busiest), weight_bytes_busiest=mean(bytes_busiest))
+    if bps_rank_all:
+        out["weight_floor_busiest_us"] = mean(bytes_busiest) / bps_rank_all * 1e6
+        out["weight_floor_gpu_us"] = mean(gpu_us)
+    if alone_us:
+        out["weight_floor_alone_us"] = mean(alone_us)
+    parts = [v for v in (gpu_us, alone_us) if v]
+    if parts:
+        out["weight_floor_us"] = mean(max(vs) for vs in zip(*parts))
     return out
+
+
+def floors(weight_us: float | None, comm_us: float | None) -> dict:
+    """floor_us = max(weights, comm) (the GEMMs and the flights can overlap), floor_sum_us
+    their sum; None where a part is missing."""
+    both = weight_us is not None and comm_us is not None
+    return dict(weight_floor_us=weight_us, comm_floor_us=comm_us,
+                floor_us=max(weight_us, comm_us) if both else None,
+                floor_sum_us=weight_us + comm_us if both else None)
 
 
 def rel_err(y, y_ref) -> float:
@@ -332,6 +368,20 @@ def renorm(y):
     return (yf * jax.lax.rsqrt(jnp.mean(yf * yf, axis=-1, keepdims=True) + 1e-6)).astype(bf16)
 
 
+CONTEXT_BYTES = 512 * 2**20  # a CUDA context under MPS, roughly, beside XLA's allocations
+
+
+def symmetric_bytes(size: str | None) -> int:
+    """NVSHMEM_SYMMETRIC_SIZE ("2G", "512M", "1073741824"; the launcher sets 2G) in bytes;
+    NVSHMEM's own default (1 GiB) when unset or unreadable."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    try:
+        s = (size or "").strip().upper().rstrip("B")
+        return int(float(s[:-1]) * units[s[-1]]) if s[-1:] in units else int(s)
+    except (ValueError, IndexError):
+        return 2**30
+
+
 def memory_need(compiled) -> int | None:
     """Bytes a call needs beyond its arguments (XLA's temp + output), None where unknown."""
     try:
@@ -386,6 +436,12 @@ class Bench:
                                        if first else None)
         # CUDA events where our kernels run (record_event, on-stream barrier, floor kernels)
         self.events = self.backend == "nvshmem"
+        if self.events and self.mem_per_rank:
+            # what XLA's allocator does not see on a GPU shared by `sharing` processes: each
+            # one's NVSHMEM heap and CUDA context (R1's fwd+bwd ran out of memory on an H100
+            # with the share limit / sharing alone)
+            self.mem_per_rank -= symmetric_bytes(os.environ.get("NVSHMEM_SYMMETRIC_SIZE"))
+            self.mem_per_rank -= CONTEXT_BYTES
         if self.events:
             from jax_moe_comm import init
             from jax_moe_comm.backends import nvshmem
@@ -394,7 +450,10 @@ class Bench:
             self.record_event, self.elapsed = nvshmem.record_event, nvshmem.event_elapsed_us
         self.oracle, oracle_problem = load_oracle(args.oracle)
         self.params_key, self.params = None, None
-        self.checks, self.counts = {}, {}
+        self.checks, self.counts, self.bandwidths = {}, {}, {}
+        # which GPU each mesh rank is on (weight_floors: ranks of a GPU share its HBM)
+        self.groups = ([json.dumps(everyone[d.process_index]) for d in jax.devices()]
+                       if launched else list(range(self.world)))
         self.rows = []
         self.meta = dict(
             tool="loop_layer", gpu=getattr(me, "device_kind", me.platform), platform=me.platform,
@@ -513,6 +572,7 @@ class Bench:
         att = Attempt(name, self.sync)
         points, compiles, recompiles = {}, {}, 0
         copies = self.copies = {}  # K -> bytes of copy instructions in the compiled program
+        self.memory = {}  # K -> GiB [in use, the call's temp + output, a rank's share]
         for K in ks:
             if self.elapsed_all() > self.args.budget_s:
                 errors[K] = f"skipped: past the {self.args.budget_s:.0f} s budget"
@@ -535,6 +595,8 @@ class Bench:
             if self.mem_per_rank and need:
                 stats = jax.local_devices()[0].memory_stats() or {}
                 in_use = max(self.sync.gather("inuse", stats.get("bytes_in_use", 0)))
+                self.memory[K] = [round(in_use / 2**30, 2), round(max(need) / 2**30, 2),
+                                  round(self.mem_per_rank / 2**30, 2)]
                 if in_use + max(need) > 0.92 * self.mem_per_rank:
                     errors[K] = (f"skipped: needs {max(need) / 2**30:.2f} GiB beside "
                                  f"{in_use / 2**30:.2f} GiB in use; a rank's share is "
@@ -611,9 +673,9 @@ class Bench:
                                    (P("ep"),) * 4), self.operands + (sinks,))
         return build
 
-    def live_counts(self, a2a, cfg, pspecs, layers: int, mode: str) -> list[int]:
+    def live_counts(self, a2a, cfg, pspecs, layers: int, mode: str) -> list[list[int]]:
         """Per layer input of the timed loop (the first `layers` of the chain; one: "first"),
-        the busiest rank's live experts. A scan of the same layers routes each input as the
+        each rank's live experts. A scan of the same layers routes each input as the
         layer does (moe.route) and counts rows per expert on each sender; the host sums the
         senders (the key-value store; no psum: NCCL refuses 8 ranks on one GPU). The scan's
         fusions may round a layer's output otherwise than the written-out loop's (a near-tie
@@ -639,19 +701,25 @@ class Bench:
         mine = np.sum([np.asarray(s.data)[0] for s in out.addressable_shards], axis=0)
         total = np.sum([np.asarray(m) for m in self.sync.gather("counts", mine.tolist())],
                        axis=0)
-        return busiest_live(total, self.world)
+        return live_per_rank(total, self.world)
 
-    def hbm_reader(self, a2a):
+    def hbm_reader(self, a2a, alone: bool):
         """n -> (n reads of this rank's local expert weights written out between the events,
-        every rank at once, operands)."""
+        by every rank at once, or (alone) by rank 0 while the others wait; operands)."""
         def build(n_reads):
-            def per_rank(wi, wo, n):
-                n = self.start(a2a.backend, n.reshape(()))
-                acc = n.astype(f32) * 0
+            def reads(c):
+                wi, wo, acc = c
                 for _ in range(n_reads):
                     # the barrier keeps each read in place: no CSE, no hoisting, after event 0
                     wi, wo, acc = jax.lax.optimization_barrier((wi, wo, acc))
                     acc = acc + jnp.sum(wi, dtype=f32) + jnp.sum(wo, dtype=f32)
+                return acc
+
+            def per_rank(wi, wo, n):
+                n = self.start(a2a.backend, n.reshape(()))
+                c = (wi, wo, n.astype(f32) * 0)
+                acc = (jax.lax.cond(jax.lax.axis_index("ep") == 0, reads, lambda c: c[2], c)
+                       if alone else reads(c))
                 return self.stop(n, acc), acc.reshape(1)
 
             p = self.params[0]
@@ -820,7 +888,8 @@ class Bench:
                        compiled_programs=compiles[ks[-1]] if ks else None,
                        compiled_programs_constant=len(set(compiles.values())) == 1 if ks
                        else None, recompiles=recompiles,
-                       hlo_copy_bytes_by_k=[self.copies.get(K) for K in ks])
+                       hlo_copy_bytes_by_k=[self.copies.get(K) for K in ks],
+                       memory_gib_by_k={str(K): v for K, v in self.memory.items()})
             a, b = fit_per_layer([(K, points[K]) for K in ks])
             row.update(intercept_us=None if a is None else round(a, 2),
                        per_layer_us=None if b is None else round(b, 2))
@@ -848,15 +917,10 @@ class Bench:
                                                               row["loop_input"]))
             if got is not None:
                 self.counts[key] = got
-        per_layer = self.counts.get(key)
-        live = None if per_layer is None else float(statistics.mean(per_layer))
-        # one rank's bytes per second while every rank reads its weights at once
+        live = self.counts.get(key)
         L = cfg.num_experts // self.world
         local_bytes = L * expert_bytes(H, F, gated)
-        pts, _, _ = self.time_ks(f"{att.tag}:hbm", self.hbm_reader(a2a), [1, self.args.hbm_n],
-                                 errors.setdefault("hbm", {}))
-        us = per_iteration(sorted(pts.items()))
-        hbm = local_bytes / (us * 1e-6) if us else None
+        bw = self.bandwidth(a2a, local_bytes, errors)
         comm, comm_fit = None, None
         if self.events and hasattr(a2a.backend, "floor_kernels"):
             cpts, _, _ = self.time_ks(f"{att.tag}:comm", self.comm_floor(a2a), self.args.ks,
@@ -865,20 +929,43 @@ class Bench:
             comm = comm_fit[1]
         else:
             row["comm_floor_note"] = "no floor kernels on the reference backend"
-        for k in ("hbm", "comm"):
+        for k in ("hbm", "hbm_alone", "comm"):
             if not errors.get(k):
                 errors.pop(k, None)
-        fl = floors(live, expert_bytes(H, F, gated), S * expert_bytes(H, F, gated), hbm, comm)
-        row.update({k: None if v is None else round(v, 2) if isinstance(v, float) else v
-                    for k, v in fl.items()})
-        row.update(busiest_rank_live_experts=None if live is None else round(live, 2),
-                   busiest_rank_live_experts_per_layer=per_layer, local_experts=L,
-                   hbm_bytes_per_s=None if hbm is None else float(f"{hbm:.4g}"),
-                   hbm_read_us=None if us is None else round(us, 2),
+        per = expert_bytes(H, F, gated)
+        wf = weight_floors(live, self.groups, per, S * per, bw.get("rank_all"), bw.get("alone"))
+        fl = floors(wf.pop("weight_floor_us"), comm)
+        r2 = lambda v: None if v is None else round(v, 2)  # noqa: E731
+        g4 = lambda v: None if v is None else float(f"{v:.4g}")  # noqa: E731
+        row.update({k: r2(v) for k, v in {**wf, **fl}.items()})
+        row.update(busiest_rank_live_experts_per_layer=None if live is None else
+                   [max(layer) for layer in live], live_experts_per_rank=live, local_experts=L,
+                   hbm_bytes_per_s=g4(bw.get("rank_all")), hbm_bytes_per_s_alone=g4(
+                       bw.get("alone")), hbm_bytes_per_s_gpu=g4(bw.get("rank_all") and
+                                                                 bw["rank_all"] * self.sharing),
                    hbm_bytes_per_rank=local_bytes, comm_floor_intercept_us=None
-                   if comm_fit is None or comm_fit[0] is None else round(comm_fit[0], 2))
+                   if comm_fit is None else r2(comm_fit[0]))
+        if row["weight_bytes_busiest"] is not None:
+            row["weight_bytes_busiest"] = int(row["weight_bytes_busiest"])
         r = ratio(row["per_layer_us"], row["floor_us"])
         row["ratio_floor"] = None if r is None else round(r, 3)
+
+    def bandwidth(self, a2a, local_bytes: int, errors: dict) -> dict:
+        """One rank's HBM bytes/s reading its local experts' weights while every rank reads
+        (rank_all) and alone (alone), measured once per parameter set on the first row's
+        handle (their spread over a run's rows was 3 % on an H100). Collective."""
+        if self.params_key in self.bandwidths:
+            return self.bandwidths[self.params_key]
+        bw = {}
+        for name, alone in (("rank_all", False), ("alone", True)):
+            pts, _, _ = self.time_ks(f"hbm:{len(self.rows)}:{name}",
+                                     self.hbm_reader(a2a, alone), [1, self.args.hbm_n],
+                                     errors.setdefault("hbm_alone" if alone else "hbm", {}))
+            us = per_iteration(sorted(pts.items()))
+            bw[name] = local_bytes / (us * 1e-6) if us else None
+        if bw["rank_all"]:  # a failed measurement is tried again on the next row
+            self.bandwidths[self.params_key] = bw
+        return bw
 
     # -- output -------------------------------------------------------------------------------
     def write(self, final: bool = False):

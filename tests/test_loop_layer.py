@@ -38,24 +38,55 @@ def test_fit_per_layer_and_per_iteration():
     assert L.per_iteration([]) is None
 
 
-def test_floors_take_the_busiest_ranks_live_weights_and_the_cycle():
+def test_live_experts_per_rank():
+    counts = np.zeros((2, 16), int)  # 2 layers, 16 experts on 4 ranks (4 each)
+    counts[0, [0, 1, 2, 5]] = 3  # layer 0: rank 0 has 3 live experts, rank 1 one
+    counts[1, [4, 5, 6, 7, 8]] = 1  # layer 1: rank 1 four, rank 2 one
+    assert L.live_per_rank(counts, world=4) == [[3, 1, 0, 0], [0, 4, 1, 0]]
+
+
+def test_weight_floor_is_the_busiest_rank_or_its_gpu_whichever_takes_longer():
     H, F = 2048, 1408
     per = L.expert_bytes(H, F, gated=True)
     assert per == (H * 2 * F + F * H) * 2
     assert L.expert_bytes(H, F, gated=False) == 2 * H * F * 2
-    counts = np.zeros((2, 16), int)  # 2 layers, 16 experts on 4 ranks (4 each)
-    counts[0, [0, 1, 2, 5]] = 3  # rank 0: 3 live, rank 1: 1
-    counts[1, [4, 5, 6, 7, 8]] = 1  # rank 1: 4 live
-    assert L.busiest_live(counts, world=4) == [3, 4]
-    fl = L.floors(3.5, per, 2 * per, hbm_bps=1e12, comm_us=13.0)
-    assert fl["weight_bytes_busiest"] == int(round(3.5 * per)) + 2 * per
-    assert fl["weight_floor_us"] == pytest.approx(fl["weight_bytes_busiest"] / 1e12 * 1e6)
-    assert fl["floor_us"] == pytest.approx(max(fl["weight_floor_us"], 13.0))
-    assert fl["floor_sum_us"] == pytest.approx(fl["weight_floor_us"] + 13.0)
-    cpu = L.floors(3.0, per, 0, hbm_bps=1e12, comm_us=None)  # no floor kernels: no max
-    assert cpu["weight_floor_us"] is not None and cpu["floor_us"] is None
-    assert L.floors(None, per, 0, 1e12, 13.0)["floor_us"] is None
+    live = [[4, 0, 0, 0], [2, 2, 2, 2]]  # one busy rank, then four even ones
+    one_gpu = ["gpu0"] * 4
+    # a rank reads 1e11 B/s while all 4 read (the GPU: 4e11), 2e11 alone
+    w = L.weight_floors(live, one_gpu, per, 0, bps_rank_all=1e11, bps_alone=2e11)
+    busy_alone = [4 * per / 2e11 * 1e6, 2 * per / 2e11 * 1e6]
+    gpu = [4 * per / 4e11 * 1e6, 8 * per / 4e11 * 1e6]
+    assert w["weight_floor_alone_us"] == pytest.approx(np.mean(busy_alone))
+    assert w["weight_floor_gpu_us"] == pytest.approx(np.mean(gpu))
+    assert w["weight_floor_us"] == pytest.approx(np.mean([max(a, g) for a, g in
+                                                          zip(busy_alone, gpu)]))
+    # issue 47's formula: the busiest rank's bytes at the all-at-once rate, whatever the balance
+    assert w["weight_floor_busiest_us"] == pytest.approx(3 * per / 1e11 * 1e6)
+    assert w["busiest_rank_live_experts"] == 3 and w["weight_bytes_busiest"] == 3 * per
+    # even ranks: the floor is that formula, as the issue states it
+    even = L.weight_floors([[2, 2, 2, 2]], one_gpu, per, per, 1e11, 1e12)
+    assert even["weight_floor_us"] == pytest.approx(even["weight_floor_busiest_us"])
+    assert even["weight_bytes_busiest"] == 3 * per  # with one shared expert's weights
+    # one rank per GPU: each GPU serves its own rank, the busiest rank's read is the floor
+    apart = L.weight_floors(live, ["a", "b", "c", "d"], per, 0, 2e11, 2e11)
+    assert apart["weight_floor_us"] == pytest.approx(np.mean(busy_alone))
+    assert L.weight_floors(None, one_gpu, per, 0, 1e11, 2e11)["weight_floor_us"] is None
+    no_alone = L.weight_floors(live, one_gpu, per, 0, 1e11, None)
+    assert no_alone["weight_floor_us"] == pytest.approx(np.mean(gpu))
+
+
+def test_floor_is_the_max_of_weights_and_the_cycle():
+    fl = L.floors(30.0, 13.0)
+    assert fl == dict(weight_floor_us=30.0, comm_floor_us=13.0, floor_us=30.0,
+                      floor_sum_us=43.0)
+    assert L.floors(30.0, None)["floor_us"] is None  # no floor kernels (CPU): no max
+    assert L.floors(None, 13.0)["floor_sum_us"] is None
     assert L.ratio(30.0, 20.0) == 1.5 and L.ratio(30.0, None) is None
+
+
+def test_symmetric_heap_sizes():
+    assert L.symmetric_bytes("2G") == 2**31 and L.symmetric_bytes("512M") == 2**29
+    assert L.symmetric_bytes("1048576") == 2**20 and L.symmetric_bytes(None) == 2**30
 
 
 def test_check_case_shrinks_only_what_does_not_fit():
@@ -153,6 +184,8 @@ def test_smoke_run_on_cpu(tmp_path):
         assert row["oracle"] == ("layer_oracle" if HAS_GATED and os.path.exists(
             os.path.join(ROOT, "benchmarks", "layer_oracle.py")) else "moe.dense_forward")
         assert 1 <= row["busiest_rank_live_experts"] <= row["local_experts"]
-        assert row["hbm_bytes_per_s"] > 0 and row["weight_floor_us"] > 0
+        assert len(row["live_experts_per_rank"]) == 2  # the chain's two layer inputs
+        assert row["hbm_bytes_per_s"] > 0 and row["hbm_bytes_per_s_alone"] > 0
+        assert row["weight_floor_us"] > 0 and row["weight_floor_busiest_us"] > 0
         assert row["comm_floor_us"] is None and row["floor_us"] is None  # no floor kernels
     assert rows[1]["loop_input"] == "output"
