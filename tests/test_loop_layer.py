@@ -128,17 +128,20 @@ def write(path, rows, **header):
 def test_compare_joins_graph_rows_and_marks_the_goals(tmp_path):
     ours = write(tmp_path / "ours.json", [
         layer_row("R1", 1, "graph", 40.0, floor_us=35.0, weight_floor_us=35.0,
-                  comm_floor_us=13.0, correct=True),
+                  weight_floor_busiest_us=38.0, comm_floor_us=13.0, correct=True,
+                  loop_input="first"),
         layer_row("R1", 1, "fwd+bwd", 150.0, floor_us=35.0, ks=[1, 4],
                   compiled_programs_by_k=[1, 1], recompiles=0),
-        layer_row("V2Lite", 4, "graph", 30.0, floor_us=20.0, correct=True),
+        layer_row("V2Lite", 4, "graph", 30.0, floor_us=20.0, correct=True,
+                  loop_input="output"),
         layer_row("V2Lite", 4, "graph", 99.0),  # a duplicate key: the first row is kept
         layer_row("V2Lite", 16, "graph", None, error="boom")],  # no figure: left out
         commit="abc", gpu="H100", world=8)
     pplx = write(tmp_path / "pplx.json", [
         layer_row("R1", 1, "graph", 60.0, weight_floor_us=33.0, correct=True,
-                  method="pplx_torch_layer"),
-        layer_row("V2Lite", 4, "graph", 25.0, method="pplx_torch_layer")], commit="12cecfd")
+                  method="pplx_torch_layer", loop_input="first"),
+        layer_row("V2Lite", 4, "graph", 25.0, method="pplx_torch_layer", loop_input="first")],
+        commit="12cecfd")
     out = tmp_path / "cmp.md"
     assert layer_compare.main(str(out), f"ours={ours}", f"pplx={pplx}") == 0
     text = out.read_text()
@@ -147,8 +150,11 @@ def test_compare_joins_graph_rows_and_marks_the_goals(tmp_path):
     r1 = next(ln for ln in lines if ln.startswith("| R1 | 1 | 0 | 40.0"))
     assert v2.startswith("| V2-Lite | 4 | 0 | 30.0 | 25.0 | 1.20 | 20.0 |")
     assert "| no | no |" in v2  # 1.20 > 0.8 and 1.50 > 1.25
-    assert r1.startswith("| R1 | 1 | 0 | 40.0 | 60.0 | 0.67 | 35.0 | 35.0 / 13.0 | 33.0 | 1.14 "
-                         "| yes | yes |")
+    assert r1.startswith("| R1 | 1 | 0 | 40.0 | 60.0 | 0.67 | 35.0 | 35.0 / 38.0 / 13.0 | 33.0 "
+                         "| 1.14 | yes | yes |")
+    # unlike layer inputs are called out (V2-Lite: ours chained, the peer's the first x)
+    assert "**Layer inputs differ**" in text and "V2-Lite 4: output / first" in text
+    assert "R1 1:" not in text.split("**Layer inputs differ**")[1]
     assert not any(ln.startswith("| V2-Lite | 16 |") for ln in lines)
     assert "| R1 | 1 | 0 | 150.0 | 40.0 | 3.75 | 35.0 | K=1: 1, K=4: 1 | 0 |" in text
     assert layer_compare.main(str(out), f"ours={ours}") == 2  # pplx is required
