@@ -88,7 +88,7 @@ class Sync:
 class Attempt:
     """The phases of one row, on every rank in step: a phase runs only while no rank has
     failed, and after each one every rank learns whether any failed (the first error wins).
-    The same idea as bench_layer.py's Attempt, with the Sync passed in."""
+    The Sync is passed in: its tag prefix names the benchmark."""
 
     def __init__(self, tag: str, sync: Sync):
         self.tag, self.sync, self.error = tag, sync, ""

@@ -88,7 +88,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax_moe_comm import AllToAll, bootstrap  # noqa: E402
+from bench_common import Attempt, Sync, short  # noqa: E402
+from jax_moe_comm import AllToAll  # noqa: E402
 from jax_moe_comm import errors as jmc_errors  # noqa: E402
 from jax_moe_comm import expert_gemm as G  # noqa: E402
 from jax_moe_comm import moe as moe_mod  # noqa: E402
@@ -174,53 +175,9 @@ ARGS = parse()
 say = print if RANK == 0 else (lambda *a, **kw: None)
 
 
-# -- collective decisions ----------------------------------------------------------------------
-class Sync:
-    """Gathers every rank's JSON payload under a fresh tag (the same sequence on every rank)."""
-
-    def __init__(self):
-        self.n = 0
-
-    def gather(self, name: str, payload) -> list:
-        self.n += 1
-        tag = f"bench_layer:{self.n}:{name}"
-        return [json.loads(v) for v in bootstrap.all_gather(tag, json.dumps(payload))]
-
-
-SYNC = Sync()
-
-
-def short(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}".strip().replace("\n", " ")[:500]
-
-
-class Attempt:
-    """Runs the phases of one row on every rank in step: a phase runs only while no rank has
-    failed, and after each one every rank learns whether any failed (the first error wins)."""
-
-    def __init__(self, tag: str):
-        self.tag, self.error = tag, ""
-
-    @property
-    def failed(self) -> bool:
-        return bool(self.error)
-
-    def do(self, name: str, fn, *, payload=lambda r: None):
-        """fn() on this rank (unless a rank failed before); returns (fn's result or None, every
-        rank's payload(result)). Collective."""
-        result, mine, err = None, None, ""
-        if not self.failed:
-            try:
-                result = fn()
-                mine = payload(result)
-            except Exception as e:  # noqa: BLE001 -- recorded, never a crash
-                err = short(e)
-        got = SYNC.gather(f"{self.tag}:{name}", [err, mine])
-        if not self.failed:
-            bad = [(r, e) for r, (e, _) in enumerate(got) if e]
-            if bad:
-                self.error = f"{name} on rank {bad[0][0]}: {bad[0][1]}"
-        return result, [m for _, m in got]
+# -- collective decisions (bench_common: Sync, every rank's payload under fresh tags; Attempt,
+# a row's phases in step on every rank) ---------------------------------------------------------
+SYNC = Sync("bench_layer")
 
 
 # -- data ----------------------------------------------------------------------------------------
@@ -697,7 +654,7 @@ class Bench:
                    nominal_us=1e6 * self.sharing * nbytes / self.args.hbm_bps)
         params, _ = self.params[config]
         spec = P("ep")
-        att = Attempt(f"weights:{config}")
+        att = Attempt(f"weights:{config}", SYNC)
 
         def read_body(i, c):
             wi, wo, s, acc = c
@@ -824,7 +781,7 @@ class Bench:
                 f"skipped: expert_x and expert_y alone need {least / 2**30:.1f} GiB per rank; "
                 f"a rank's share is {self.mem_per_rank / 2**30:.1f} GiB"))
             return row
-        att = Attempt(f"row{len(self.rows)}")
+        att = Attempt(f"row{len(self.rows)}", SYNC)
         cfg = None
         try:
             cfg = self.layer_cfg(case)

@@ -107,7 +107,7 @@ class Config:
 '''
 
 NO_CAPACITY_RUNNER = '''
-import runpy, sys
+import os, runpy, sys
 import jax_moe_comm
 
 Base = jax_moe_comm.AllToAll
@@ -121,6 +121,7 @@ class NoCapacityAllToAll(Base):  # a build without either capacity argument
 jax_moe_comm.AllToAll = NoCapacityAllToAll
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script` does
 runpy.run_path(script, run_name="__main__")
 '''
 
