@@ -5,7 +5,9 @@
 # are spent (a part that would start later is skipped and says so); every file that matters
 # is copied to $OUT at the end (at most 8 come back; the rest goes into rest.tgz).
 #   GIT_COMMIT=abc1234 PEER=.peer [PARTS="suites loop pplx layer peer"] [TOKENS=1,4,16,32,64,128]
-#     [LAYER_TOKENS=1,4,16,128] [BUDGET=540] bash scripts/gpu_layer_headline.sh
+#     [LAYER_TOKENS=1,4,16,128] [BUDGET=540] [LAYER_BUDGET=s] bash scripts/gpu_layer_headline.sh
+# LAYER_BUDGET caps the seconds our layer may take (else all but 40 of what is left), so that
+# the peer part after it still runs.
 # PEER: a copy of shared/peer (an ignored folder, carried); tokamax comes from .whl/ (carried;
 # scripts/fetch_wheels.sh fills it).
 # Parts:
@@ -79,7 +81,8 @@ fi
 if part layer 90; then
   timeout $(( $(left) - 5 )) env PYTHONPATH="$TKP" $(L8 $(( $(left) - 10 ))) $PY \
     "$ROOT/benchmarks/loop_layer.py" --tokens "$LAYER_TOKENS" --commit "$GIT_COMMIT" \
-    --budget-s $(( $(left) - 40 )) --out "$W/layer_ours.json" ${LAYER_ARGS:-} 2>&1 | quiet \
+    --budget-s $(( $(left) - 40 < ${LAYER_BUDGET:-100000} ? $(left) - 40 : ${LAYER_BUDGET:-100000} )) \
+    --out "$W/layer_ours.json" ${LAYER_ARGS:-} 2>&1 | quiet \
     > "$W/layer_ours.log"
   echo "-- layer rc=$? at $(( $(date +%s) - START )) s" | tee -a "$W/summary.txt"
   grep "rank 0\]" "$W/layer_ours.log" | tail -25 >> "$W/summary.txt"
