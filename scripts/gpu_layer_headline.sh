@@ -85,19 +85,20 @@ if part layer 90; then
     --out "$W/layer_ours.json" ${LAYER_ARGS:-} 2>&1 | quiet \
     > "$W/layer_ours.log"
   echo "-- layer rc=$? at $(( $(date +%s) - START )) s" | tee -a "$W/summary.txt"
-  grep "rank 0\]" "$W/layer_ours.log" | tail -25 >> "$W/summary.txt"
+  grep "rank 0\]" "$W/layer_ours.log" | tail -25 | tee -a "$W/summary.txt"
+  cp "$W/layer_ours.json" "$OUT/" 2>/dev/null  # back even if a later part outruns the call
 fi
 if part peer 70; then
   timeout $(( $(left) - 5 )) $PY benchmarks/layer_pplx.py --launch 8 --peer "$PEER" \
     --tokens "$LAYER_TOKENS" --budget-s $(( $(left) - 40 )) --timeout $(( $(left) - 10 )) \
     --out "$W/layer_pplx.json" ${PEER_ARGS:-} 2>&1 | quiet > "$W/layer_pplx.log"
   echo "-- peer rc=$? at $(( $(date +%s) - START )) s" | tee -a "$W/summary.txt"
-  tail -25 "$W/layer_pplx.log" >> "$W/summary.txt"
+  tail -25 "$W/layer_pplx.log" | tee -a "$W/summary.txt"
 fi
 if [ -f "$W/layer_ours.json" ] && [ -f "$W/layer_pplx.json" ]; then
   $PY benchmarks/layer_compare.py "$W/layer_compare.md" ours="$W/layer_ours.json" \
     pplx="$W/layer_pplx.json" > "$W/layer_compare.log" 2>&1
-  cat "$W/layer_compare.md" >> "$W/summary.txt" 2>/dev/null
+  tee -a "$W/summary.txt" < "$W/layer_compare.md" 2>/dev/null
 fi
 echo "== done in $(( $(date +%s) - START )) s" | tee -a "$W/summary.txt"
 # What comes back: the summary, the JSONs, the comparisons; every log in rest.tgz.
