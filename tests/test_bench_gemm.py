@@ -12,6 +12,9 @@ import pytest
 
 from jax_moe_comm import expert_gemm as G
 
+# Left out of `scripts/test.sh --quick`: runs the GEMM benchmark's rows.
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 _spec = importlib.util.spec_from_file_location(
     "bench_gemm", os.path.join(ROOT, "benchmarks", "bench_gemm.py"))

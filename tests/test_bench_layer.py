@@ -23,6 +23,9 @@ LAYER = os.path.join(ROOT, "benchmarks", "bench_layer.py")
 GEMM = os.path.join(ROOT, "benchmarks", "bench_gemm.py")
 FAST = ["--samples", "2", "--target-ms", "2", "--max-loop", "3", "--step-calls", "2"]
 
+# Left out of `scripts/test.sh --quick`: runs the layer benchmark's rows end to end.
+pytestmark = pytest.mark.slow
+
 FAKE_TOKAMAX = '''
 """A stand-in for tokamax's ragged_dot API (tests only)."""
 import os

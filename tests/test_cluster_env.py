@@ -18,6 +18,9 @@ import time
 
 import pytest
 
+# Left out of `scripts/test.sh --quick`: starts cluster-manager tasks as processes.
+pytestmark = pytest.mark.slow
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "cluster_env_worker.py")
 EPHEMERAL = 65535 - 2**12 + 1  # JAX's coordinator port: EPHEMERAL + job id % 4096

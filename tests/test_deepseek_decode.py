@@ -13,6 +13,9 @@ import tempfile
 
 import pytest
 
+# Left out of `scripts/test.sh --quick`: runs the decode example end to end.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("flax.nnx", reason="flax is an optional extra: pip install jax_moe_comm[flax]")
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
                        "deepseek_decode.py")

@@ -30,6 +30,9 @@ from jax_moe_comm import testing as T
 from jax_moe_comm.moe import MoELayerConfig, init_params
 from jax_moe_comm.testing import DispatchSum
 
+# Left out of `scripts/test.sh --quick`: the gradient rules' full matrix (~5 min on 2 cores).
+pytestmark = pytest.mark.slow
+
 bf16, fp8, f32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
 
 

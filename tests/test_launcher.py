@@ -8,6 +8,9 @@ import tempfile
 
 import pytest
 
+# Left out of `scripts/test.sh --quick`: starts 2-8 processes per test.
+pytestmark = pytest.mark.slow
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

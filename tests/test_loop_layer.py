@@ -20,6 +20,9 @@ import layer_compare  # noqa: E402
 import loop_layer as L  # noqa: E402
 from jax_moe_comm.moe import MoELayerConfig  # noqa: E402
 
+# Left out of `scripts/test.sh --quick`: runs the layer loop benchmark end to end.
+pytestmark = pytest.mark.slow
+
 HAS_GATED = "gated" in {f.name for f in dataclasses.fields(MoELayerConfig)}
 
 

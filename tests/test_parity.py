@@ -11,6 +11,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import parity_cases  # noqa: E402
 from jax_moe_comm import testing as T  # noqa: E402
 
+# Left out of `scripts/test.sh --quick`: starts two processes.
+pytestmark = pytest.mark.slow
+
 WORLD = 4
 
 
