@@ -151,8 +151,7 @@ def allow_remat_of_ffi_calls() -> bool:
     the same treatment (run once, saved) instead of the error. Private JAX API: returns False
     where it moved (remat then raises JAX's error on the nvshmem backend)."""
     try:
-        from jax._src import effects
-        from jax._src.ffi import FfiEffect
+        from ._jax_compat import FfiEffect, effects
         effects.remat_allowed_effects.add_type(FfiEffect)
     except (ImportError, AttributeError):
         return False

@@ -17,9 +17,9 @@ _TAGS = itertools.count()  # per-process: the same sequence on every process
 
 
 def _kv_client():
-    from jax._src import distributed
+    from ._jax_compat import distributed_state
 
-    client = distributed.global_state.client
+    client = distributed_state().client
     if client is None and jax.process_count() > 1:
         raise NativeUnavailableError("jax.distributed is not initialized")
     return client

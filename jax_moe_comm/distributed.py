@@ -35,9 +35,8 @@ def launched() -> bool:
 
 def _register_cluster_env() -> None:
     """Teach jax.distributed.initialize() to read JAX_NUM_PROCESSES / JAX_PROCESS_ID."""
-    try:
-        from jax._src import clusters
-    except ImportError:  # a JAX without cluster environments: initialize() still works
+    from ._jax_compat import clusters
+    if clusters is None:  # a JAX without cluster environments: initialize() still works
         return
 
     class LaunchedByEnvironment(clusters.ClusterEnv):
@@ -86,9 +85,8 @@ def scheduler():
     under our launcher, whose variables win, and with JAX_PROCESS_ID etc. set by hand)."""
     if launched():
         return None
-    try:
-        from jax._src import clusters
-    except ImportError:
+    from ._jax_compat import clusters
+    if clusters is None:
         return None
     for env in clusters.ClusterEnv._cluster_types:  # JAX's order: the first present wins
         if env.opt_in_only_method or env.name not in SCHEDULERS:
@@ -172,12 +170,7 @@ def uninitialized_job_problem() -> str:
 
 
 def is_initialized() -> bool:
-    try:
-        from jax._src import distributed
-
-        return distributed.global_state.client is not None
-    except (ImportError, AttributeError):
-        return False
+    return jax.distributed.is_initialized()
 
 
 def _cpu_collectives() -> None:
@@ -226,9 +219,9 @@ def initialize(timeout_s: float | None = None) -> tuple[int, int]:
     try:
         jax.distributed.initialize(**kwargs)
     except Exception as e:
-        from jax._src import distributed
+        from ._jax_compat import distributed_state
 
-        where = getattr(distributed.global_state, "coordinator_address", None) or "not derived"
+        where = getattr(distributed_state(), "coordinator_address", None) or "not derived"
         port = os.environ.get("JAX_COORDINATOR_PORT")
         raise RuntimeError(
             f"jax.distributed.initialize() failed under {_job(env)}, coordinator {where}"

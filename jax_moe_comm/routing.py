@@ -143,9 +143,9 @@ def bound_axes() -> dict:
     """{name: size} of the mesh axes bound here (inside shard_map); {} outside, or if this JAX
     version keeps them elsewhere."""
     try:
-        from jax._src import core
+        from ._jax_compat import bound_axis_sizes
 
-        return dict(core.get_axis_env().axis_sizes)
+        return bound_axis_sizes()
     except Exception:  # noqa: BLE001 - private API: only used to word an error message
         return {}
 
