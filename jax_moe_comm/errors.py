@@ -40,6 +40,12 @@ class ProtocolError(MoECommError):
     it and create a new one)."""
 
 
+class RecoveryError(MoECommError):
+    """recover() found the ranks' counts of completed cycles more than one cycle apart (a rank
+    that recovered on its own, or a process restarted on its own): no step exists that every
+    rank can resume from. The message names each rank and its count; restart the job."""
+
+
 class NativeUnavailableError(MoECommError):
     """The CUDA backend was asked for but cannot run here (not built, no GPU, wrong NVSHMEM)."""
 
