@@ -15,8 +15,9 @@ from . import expert_gemm
 from .expert_gemm import expert_mlp
 from .errors import (CapacityExceededError, CorruptDataError, InvalidRoutingError, MoECommError,
                      NativeUnavailableError, PeerAbortedError, PeerTimeoutError, ProtocolError,
-                     ReferenceFallbackWarning)
+                     RecoveryError, ReferenceFallbackWarning)
 from .bootstrap import finalize, init
+from .sizes import symmetric_bytes
 
 __all__ = [
     "AllToAll", "CHECKPOINT_NAME", "DispatchOutput", "order_after", "PendingCombine",
@@ -24,6 +25,7 @@ __all__ = [
     "KernelTuning", "MoEConfig", "InvalidRoutingError", "MoECommError",
     "NativeUnavailableError", "PeerTimeoutError", "ProtocolError", "PeerAbortedError",
     "CorruptDataError", "CapacityExceededError", "ReferenceFallbackWarning", "init",
-    "finalize", "expert_gemm", "expert_mlp", "distributed",
+    "finalize", "expert_gemm", "expert_mlp", "distributed", "symmetric_bytes",
+    "RecoveryError",
 ]
 __version__ = "0.2.0"

@@ -8,7 +8,9 @@
     moe.close()
 
 Inputs and outputs are global arrays: x [B, S, H] or [T, H], its tokens (B*S rows, batch-major)
-sharded over the token axes, `data_axes` then `expert_axis` (a mesh axis or a tuple of them).
+sharded over the token axes, `data_axes` then `expert_axis` (a mesh axis or a tuple of them):
+any B and S whose B*S divides over the token shards (B below their count too), on meshes of
+Explicit or Auto axes; y comes back with x's shape (and on Explicit axes x's sharding).
 The all-to-all runs along the expert axis; experts are sharded over it (rank r holds experts
 [r*L, (r+1)*L)) and replicated over the data axes; router and shared experts are replicated.
 On the nvshmem backend the expert axis must span every process (one GPU each): with a
@@ -18,20 +20,26 @@ attention with expert parallelism over all GPUs).
 Per rank, the layer is moe.moe_forward with the router of router.py: scores, (grouped) top-k,
 expert bias, normalized weights; dispatch, SiLU or SiLU-gated MLP experts (as `expert_gemm`
 says), combine, and the shared experts' two GEMMs while tokens are in flight (the first in the
-dispatch flight, the second in the combine flight: moe.py's docstring). It trains under nnx.jit/nnx.grad on both
-backends (handles are made differentiable unless told otherwise).
+dispatch flight, the second in the combine flight: moe.py's docstring). It trains under
+nnx.jit/nnx.grad on both backends (handles are made differentiable unless told otherwise).
 
 Handles are created outside any trace, never under nnx.eval_shape or jit: by the constructor
-when it runs eagerly (`eager_handles=True`, default), else by `create_handles(model)` (one
-handle per distinct layer shape, shared by the layers of a model) or on the first eager call.
-`max_num_tokens` (per rank) may be several budgets, e.g. (512, 8) for prefill and decode: a
-call uses the smallest that holds its tokens per rank (padding up to it).
+when it runs eagerly (`eager_handles=True`, default), else by `create_handles(model)` or on the
+first eager call. Layers of equal handle_key share one handle per budget in this process
+(`share_handles=True`, default: a 60-layer model holds one handle per budget, not 60); a
+handle is closed when the last layer holding it is closed. Calls on one handle within one
+traced function run in the order they were traced (each call's dispatch waits for the previous
+call's output). `max_num_tokens` (per rank) may be several budgets, e.g. (512, 8) for prefill
+and decode: a call uses the smallest that holds its tokens per rank (padding up to it).
+`symmetric_bytes(model)` and `nvshmem_symmetric_size(model)` say what the handles will take
+before any exists.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -43,7 +51,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import router as rtr
-from .api import AllToAll, _under_trace
+from . import sizes
+from .api import AllToAll, _current_trace, _under_trace
 from .errors import ProtocolError
 from .moe import (SHARED_EXPERT_RENAMED, MoELayerConfig, dense_experts_and_shared,
                   experts_and_shared, param_shapes, refuse_renamed)
@@ -74,10 +83,55 @@ class Routing(NamedTuple):
 
 class _Handles:
     """The layer's AllToAll per token budget; a static attribute shared by identity between
-    the copies of the module graph that nnx transforms make."""
+    the copies of the module graph that nnx transforms make (so it also names the layer as a
+    holder of its handles)."""
 
     def __init__(self):
         self.by_budget: dict[int, AllToAll] = {}
+
+
+# The handles of this process that layers share (share_handles=True), by MoE.handle_key. Every
+# process creates and closes the same handles in the same order (both are collective), so the
+# pool holds the same keys on every process.
+_POOL: dict[tuple, AllToAll] = {}
+# Who holds each handle a layer uses, pooled or not: id(AllToAll) -> (it, the _Handles of the
+# layers that hold it). A layer's close() drops it; the handle is closed with its last holder.
+# Weak: a layer collected without close() stops holding (its handle stays open, as a handle
+# nobody closes does, and the pool hands it to the next layer of its key).
+_HOLDERS: dict[int, tuple[AllToAll, weakref.WeakSet]] = {}
+# The latest call on each handle in the function being traced: handle -> (weak reference to
+# that trace, the call's y as token rows, its token axes). The next call on the handle in the
+# same trace orders its dispatch after that y (MoE._order).
+_LAST_CALL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _is_closed(a2a: AllToAll) -> bool:
+    return bool(getattr(a2a, "_closed", False))
+
+
+def _hold(a2a: AllToAll, holder: _Handles) -> None:
+    entry = _HOLDERS.setdefault(id(a2a), (a2a, weakref.WeakSet()))
+    entry[1].add(holder)
+
+
+def _release(a2a: AllToAll, holder: _Handles) -> None:
+    """holder stops holding a2a; a2a is closed (collective) when nobody holds it."""
+    entry = _HOLDERS.get(id(a2a))
+    if entry is not None:
+        entry[1].discard(holder)
+        if len(entry[1]):
+            return
+        del _HOLDERS[id(a2a)]
+    for key in [k for k, v in _POOL.items() if v is a2a]:
+        del _POOL[key]
+    a2a.close()
+
+
+def pooled_handles() -> int:
+    """How many open handles the layers of this process share (share_handles=True)."""
+    for key in [k for k, v in _POOL.items() if _is_closed(v)]:
+        del _POOL[key]
+    return len(_POOL)
 
 
 def _axes(value) -> tuple[str, ...]:
@@ -138,6 +192,11 @@ class MoE(nnx.Module):
       smallest of these row counts (capacity factors of each budget's mean load) that holds
       the live rows, picked on the device.
     eager_handles: create the handles now when not tracing (else: create_handles(model)).
+    share_handles: True (default): take each budget's handle from the handles this process's
+      layers share (one per handle_key: equal shape, mesh, axes, backend, layout, capacity),
+      so a stack of equal layers allocates one handle per budget. False: this layer's own
+      handles (for layers that run side by side with no data between them, whose cycles
+      would otherwise be serialized on one handle, and whose backward passes XLA may overlap).
     """
 
     def __init__(self, *, num_experts: int, experts_per_token: int, hidden: int, ffn: int,
@@ -152,7 +211,7 @@ class MoE(nnx.Module):
                  layout: str = "packed", differentiable: bool = True,
                  expert_gemm: str = "auto", capacity_factor: float | None = None,
                  overflow: str = "fail", gemm_row_buckets: Sequence[float] = (),
-                 eager_handles: bool = True, rngs: nnx.Rngs):
+                 eager_handles: bool = True, share_handles: bool = True, rngs: nnx.Rngs):
         self.mesh = mesh
         self.expert_axes, self.data_axes = self._check_axes(mesh, expert_axis, axis_name,
                                                             data_axes)
@@ -180,6 +239,10 @@ class MoE(nnx.Module):
         self.comm = self.layer.comm_config(self.ep)  # validates E % EP, H, k
         self.layer.handle_kwargs(self.ep, layout)  # validates the capacity for the layout
         self.backend_arg, self.layout, self.differentiable = backend, layout, differentiable
+        if not isinstance(share_handles, bool):
+            raise ValueError(f"share_handles={share_handles!r}: True (layers of equal shape "
+                             "share one handle per budget) or False (this layer's own)")
+        self.share_handles = share_handles
         self.handles = _Handles()
 
         shapes = param_shapes(self.layer)
@@ -263,7 +326,8 @@ class MoE(nnx.Module):
 
     def create_handles(self, shared: dict | None = None) -> None:
         """Create this layer's handles (collective: every process, same order; outside any
-        trace). `shared`: {handle_key: AllToAll} to reuse and fill (create_handles(model))."""
+        trace): from the process's shared handles (share_handles=True), else its own.
+        `shared`: {handle_key: AllToAll} to reuse and fill instead of the process's."""
         if _under_trace():
             raise ProtocolError(
                 "the MoE layer's all-to-all handles cannot be created while JAX is tracing "
@@ -274,14 +338,30 @@ class MoE(nnx.Module):
             if budget in self.handles.by_budget:
                 continue
             key = self.handle_key(budget)
-            a2a = None if shared is None else shared.get(key)
-            if a2a is None:
+            pool = shared if shared is not None else (_POOL if self.share_handles else None)
+            a2a = None if pool is None else pool.get(key)
+            if a2a is None or _is_closed(a2a):
                 a2a = AllToAll(key[0], axis_name=_spec_entry(self.expert_axes),
                                backend=self.backend_arg, differentiable=self.differentiable,
                                **self._handle_kwargs(budget))
-                if shared is not None:
-                    shared[key] = a2a
+                if pool is not None:
+                    pool[key] = a2a
+            _hold(a2a, self.handles)
             self.handles.by_budget[budget] = a2a
+
+    def symmetric_allocations(self, *, staged: bool = False) -> dict[tuple, tuple[int, ...]]:
+        """{handle_key: bytes of each nvshmem_malloc of that handle, per rank} for this layer's
+        budgets on the CUDA backend (sizes.allocations), known before any handle exists (also
+        on a model made under nnx.eval_shape). staged: the ranks span nodes."""
+        out = {}
+        for budget in self.budgets:
+            kwargs = self._handle_kwargs(budget)
+            out[self.handle_key(budget)] = sizes.allocations(
+                dataclasses.replace(self.comm, max_num_tokens=budget), layout=kwargs["layout"],
+                max_recv_rows=kwargs.get("max_recv_rows"),
+                expert_capacity=kwargs.get("expert_capacity"),
+                differentiable=self.differentiable, staged=staged)
+        return out
 
     def _check_device_order(self):
         from .api import resolve_backend
@@ -343,9 +423,10 @@ class MoE(nnx.Module):
             f"max_num_tokens={self.budgets[:-1] + (rows,)} or a smaller batch")
 
     def close(self) -> None:
-        """Close this layer's handles (collective). Shared ones: close_handles(model)."""
+        """Let go of this layer's handles (collective): each is closed once no layer holds it
+        (a handle shared with other layers stays open for them)."""
         for a2a in self.handles.by_budget.values():
-            a2a.close()
+            _release(a2a, self.handles)
         self.handles.by_budget.clear()
 
     # -- parameters ----------------------------------------------------------------------------
@@ -375,11 +456,18 @@ class MoE(nnx.Module):
         return int(np.prod([self.mesh.shape[a] for a in self.token_axes]))
 
     def __call__(self, x, num_tokens=None, *, mask=None, return_aux: bool = False):
-        """y like x ([B, S, H] or [T, H], dtype `dtype`).
+        """y like x: its shape ([B, S, H] or [T, H]), the module's `dtype`, and on a mesh of
+        Explicit axes x's sharding (so `x + moe(x)` needs no reshard); on Auto axes the
+        token layout (token_layout) where one exists, else XLA's choice.
 
+        x: bfloat16 or float32 (tokens travel bf16: f32 is rounded to bf16, the layer's
+          precision). float16, float64 and fp8 are refused (a TypeError naming the dtype):
+          cast x first; f16 is not rounded to bf16 behind the caller's back.
         num_tokens: None (every token live), a scalar (the first num_tokens rows of x
           flattened to [T, H] are live), or [num_token_shards] int32 (live rows of each
-          shard's block, counted from its start). Dead rows give zero rows.
+          shard's block, counted from its start). Dead rows give zero rows. A Python or NumPy
+          value outside [0, T] (scalar) or [0, T / num_token_shards] (per shard) raises
+          ValueError; a traced one is clamped to that range.
         mask: optional bool [B, S] / [T]: tokens where it is False route nowhere (zero rows).
         return_aux: also return MoEAux: router.aux_loss_coef * the load-balancing loss and the
           expert load (routed slots per expert), over every token (a psum over the token
@@ -390,10 +478,82 @@ class MoE(nnx.Module):
         m = flat.shape[0] // self.num_token_shards
         a2a = self.handle(m)
         counts = self._counts(num_tokens, flat.shape[0], m)
-        live_mask = self._mask(mask, lead, flat.shape[0])
+        live_mask = self._mask(mask, lead)
         y, aux = self._shard_mapped(a2a, flat, counts, live_mask, return_aux)
-        y = y.reshape(lead + (flat.shape[-1],))
+        y = self._from_tokens(y, lead, x)
         return (y, aux) if return_aux else y
+
+    # Token rows: x [B, S, H] or [T, H] flattened batch-major to [T, H], T/n rows per token
+    # shard, shard i of the token axes holding rows [i*T/n, (i+1)*T/n).
+    def token_layout(self, lead: tuple[int, ...]) -> tuple | None:
+        """The partition spec of an array of leading shape `lead` ([B, S] or [T]) whose
+        shards are exactly the token shards' blocks (no data moves to flatten it or back),
+        or None when the mesh has none. [T]: the token axes. [B, S]: the token axes on B when
+        they divide it; else the first i of them on B and the rest on S, when the first i
+        multiply to B and the rest divide S (on data=2 x expert=4: B = 8k gives
+        (("data", "expert"), None), B = 2 ("data", "expert"), B = 1 (None, ("data",
+        "expert")); B = 4 has none, nor has B = 4 on one axis of 8)."""
+        axes = self.token_axes
+        if len(lead) == 1:
+            return (_spec_entry(axes),)
+        B, S = lead
+        size = [self.mesh.shape[a] for a in axes]
+        if B % int(np.prod(size)) == 0:
+            return (_spec_entry(axes), None)
+        for i in range(len(axes) - 1, -1, -1):
+            if B == int(np.prod(size[:i])) and S % int(np.prod(size[i:])) == 0:
+                return (_spec_entry(axes[:i]), _spec_entry(axes[i:]))
+        return None
+
+    def _explicit(self) -> bool:
+        return any(str(t).endswith("Explicit") for t in getattr(self.mesh, "axis_types", ()))
+
+    def _type_spec(self, a) -> tuple | None:
+        """a's partition spec from its type (one entry per dimension) on a mesh of Explicit
+        axes, or None: Auto axes (the type carries no sharding) or an array on no mesh."""
+        if not self._explicit():
+            return None
+        sharding = getattr(jax.typeof(a), "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is None or getattr(mesh, "empty", False) or not getattr(mesh, "shape", None):
+            return None
+        spec = tuple(sharding.spec)
+        return spec + (None,) * (a.ndim - len(spec))
+
+    def _to_tokens(self, a, trailing: tuple[int, ...]):
+        """a [*lead, *trailing] as token rows [T, *trailing] sharded over the token axes. On
+        Explicit axes a reshape that names its output sharding (XLA moves rows between
+        devices where a's layout is not the token layout: B below the token shards, or x
+        replicated); on Auto axes a reshape and a sharding constraint."""
+        a = jnp.asarray(a)
+        T = int(np.prod(a.shape[:a.ndim - len(trailing)]))
+        rows = NamedSharding(self.mesh, P(_spec_entry(self.token_axes),
+                                          *([None] * len(trailing))))
+        if self._type_spec(a) is not None:
+            return jax.lax.reshape(a, (T,) + trailing, out_sharding=rows)
+        return _place(a.reshape((T,) + trailing), rows)
+
+    def _from_tokens(self, a, lead: tuple[int, ...], like=None):
+        """Token rows a [T, *trailing] back to [*lead, *trailing], laid out as `like` (the
+        caller's x) is on Explicit axes; else in token_layout(lead) where it exists (on
+        Explicit axes replicated where it does not; on Auto axes left to XLA)."""
+        trailing = tuple(a.shape[1:])
+        shape = tuple(lead) + trailing
+        spec = None if like is None else self._type_spec(like)
+        if spec is not None:
+            spec = spec[:len(lead)] + (None,) * len(trailing)
+        else:
+            natural = self.token_layout(tuple(lead))
+            if natural is not None:
+                spec = natural + (None,) * len(trailing)
+            elif self._explicit():
+                spec = (None,) * len(shape)
+        if spec is None:
+            return a.reshape(shape)
+        out = NamedSharding(self.mesh, P(*spec))
+        if self._explicit():
+            return jax.lax.reshape(a, shape, out_sharding=out)
+        return jax.lax.with_sharding_constraint(a.reshape(shape), out)
 
     def _flatten(self, x):
         H = self.layer.hidden
@@ -401,6 +561,7 @@ class MoE(nnx.Module):
         if len(shape) not in (2, 3) or shape[-1] != H:
             raise ValueError(f"x has shape {shape}; expected [B, S, {H}] or [T, {H}] (hidden="
                              f"{H}), a global array")
+        check_x_dtype(x)
         lead = shape[:-1]
         T = int(np.prod(lead))
         n = self.num_token_shards
@@ -409,8 +570,7 @@ class MoE(nnx.Module):
             raise ValueError(f"x has {T} tokens ({' x '.join(map(str, lead))}), not a multiple "
                              f"of the {n} token shards (mesh axes {axes}): pad the batch to a "
                              f"multiple of {n} tokens")
-        flat = jnp.asarray(x).reshape(T, H)
-        return _place(flat, NamedSharding(self.mesh, P(_spec_entry(self.token_axes)))), lead
+        return self._to_tokens(x, (H,)), lead
 
     def _counts(self, num_tokens, T: int, m: int):
         """[num_token_shards] int32 live rows per shard."""
@@ -418,28 +578,47 @@ class MoE(nnx.Module):
         rows = NamedSharding(self.mesh, P(_spec_entry(self.token_axes)))
         if num_tokens is None:
             return _place(jnp.full((n,), m, jnp.int32), rows)
-        shape = tuple(getattr(num_tokens, "shape", ()))
-        if shape in ((), (1,)) and (n > 1 or shape == ()):
-            total = jnp.asarray(num_tokens, jnp.int32).reshape(())
-            start = jnp.arange(n, dtype=jnp.int32) * m
-            return _place(jnp.clip(total - start, 0, m).astype(jnp.int32), rows)
-        if shape != (n,):
+        shape = tuple(getattr(num_tokens, "shape", np.shape(num_tokens)))
+        per_shard = shape == (n,)  # (1,) on one shard: its count, the scalar's too
+        if not per_shard and shape not in ((), (1,)):
             raise ValueError(
                 f"num_tokens has shape {shape}; expected None (every token live), a scalar "
                 f"(the first num_tokens of the {T} rows of x are live) or [{n}] int32: live "
                 f"rows per token shard (mesh axes {self.token_axes})")
-        if not jnp.issubdtype(jnp.asarray(num_tokens).dtype, jnp.integer):
-            raise TypeError("num_tokens must be int32 (counts of rows)")
+        check_num_tokens(num_tokens, T if not per_shard else m,
+                         "per token shard" if per_shard else "of x")
+        if not per_shard:
+            total = jnp.asarray(num_tokens, jnp.int32).reshape(())
+            start = jnp.arange(n, dtype=jnp.int32) * m
+            return _place(jnp.clip(total - start, 0, m).astype(jnp.int32), rows)
+        # A traced count outside [0, m] acts as its nearest end: the body's live rows are
+        # arange(m) < count.
         return _place(jnp.asarray(num_tokens, jnp.int32), rows)
 
-    def _mask(self, mask, lead, T: int):
+    def _mask(self, mask, lead):
+        T = int(np.prod(lead))
         if mask is None:
-            mask = jnp.ones(lead, bool)
+            return _place(jnp.ones((T,), bool),
+                          NamedSharding(self.mesh, P(_spec_entry(self.token_axes))))
         if tuple(getattr(mask, "shape", ())) != lead:
             raise ValueError(f"mask has shape {tuple(getattr(mask, 'shape', ()))}; expected "
                              f"{lead}, one bool per token of x")
-        flat = jnp.asarray(mask, bool).reshape(-1)
-        return _place(flat, NamedSharding(self.mesh, P(_spec_entry(self.token_axes))))
+        return self._to_tokens(jnp.asarray(mask, bool), ())
+
+    def _order(self, a2a):
+        """The y (token rows) of the latest call on a2a in the function being traced, if its
+        token axes are this call's, else None. This call's dispatch waits for it: cycles on
+        one handle must not overlap (the kernels refuse a second one in flight), and XLA
+        orders work by data only, so layers with no data between them would race."""
+        last = _LAST_CALL.get(a2a)
+        if last is None:
+            return None
+        ref, y, axes = last
+        trace = ref()
+        if trace is None or trace is not _current_trace() or \
+                not getattr(trace, "is_valid", lambda: True)() or axes != self.token_axes:
+            return None
+        return jax.lax.stop_gradient(y)  # an order, not a value: no cotangent flows back
 
     def _shard_mapped(self, a2a, x, counts, mask, want_aux: bool):
         tok = P(_spec_entry(self.token_axes))
@@ -449,9 +628,13 @@ class MoE(nnx.Module):
         if bias is None:
             bias = jnp.zeros((self.layer.num_experts,), jnp.float32)
         token_axes, cfg, k = self.token_axes, self.router_cfg, self.layer.experts_per_token
+        after = self._order(a2a)
+        before = () if after is None else (after,)
 
-        def body(p, x, n, mask, bias):
+        def body(p, x, n, mask, bias, *before):
             m, budget = x.shape[0], a2a.config.max_num_tokens
+            if before and before[0].shape[0]:  # the previous call on this handle first
+                n = _after(n, before[0], m)
             live = (jnp.arange(m) < n.reshape(())) & mask
             xb = x.astype(jnp.bfloat16)
             if budget > m:  # the smallest handle that holds m rows: pad up to it
@@ -467,30 +650,50 @@ class MoE(nnx.Module):
             return y, MoEAux(loss, stats.slots)
 
         aux_spec = MoEAux(P(), P()) if want_aux else None
-        return jax.shard_map(body, mesh=self.mesh, in_specs=(specs, tok, tok, tok, P()),
-                             out_specs=(tok, aux_spec))(params, x, counts, mask, bias)
+        in_specs = (specs, tok, tok, tok, P()) + (tok,) * len(before)
+        y, aux = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
+                               out_specs=(tok, aux_spec))(params, x, counts, mask, bias,
+                                                          *before)
+        if _under_trace():
+            _LAST_CALL[a2a] = (weakref.ref(_current_trace()), y, self.token_axes)
+        return y, aux
 
     def dense(self, x, num_tokens=None, *, mask=None, params=None):
         """The same layer with every expert applied densely and no all-to-all (the oracle):
         on global arrays under XLA's partitioner, or, with `params` (full values, e.g. from
-        gather_params), on whatever device x is on."""
-        flat, lead = self._flatten(x) if params is None else (
-            jnp.asarray(x).reshape(-1, self.layer.hidden), tuple(x.shape[:-1]))
+        gather_params), on whatever device x is on. x, num_tokens and mask as for a call."""
+        if params is None:
+            flat, lead = self._flatten(x)
+        else:
+            check_x_dtype(x)
+            flat, lead = jnp.asarray(x).reshape(-1, self.layer.hidden), tuple(x.shape[:-1])
         p, bias = self._params_and_bias(params)
         T = flat.shape[0]
         live = jnp.ones((T,), bool)
         if num_tokens is not None:
-            shape = tuple(getattr(num_tokens, "shape", ()))
+            shape = tuple(getattr(num_tokens, "shape", np.shape(num_tokens)))
             if shape in ((), (1,)):
+                check_num_tokens(num_tokens, T, "of x")
                 live = jnp.arange(T) < jnp.asarray(num_tokens).reshape(())
             else:
                 m = T // shape[0]
+                check_num_tokens(num_tokens, m, "per token shard")
                 live = (jnp.arange(T) % m) < jnp.repeat(jnp.asarray(num_tokens), m)
         if mask is not None:
-            live = live & jnp.asarray(mask, bool).reshape(-1)
-        y, _ = dense_layer_forward(self.layer, self.router_cfg, p,
-                                   flat.astype(jnp.bfloat16), live, bias)
-        return y.astype(self.dtype).reshape(lead + (self.layer.hidden,))
+            live = live & (self._to_tokens(jnp.asarray(mask, bool), ()) if params is None
+                           else jnp.asarray(mask, bool).reshape(-1))
+
+        def forward(p, flat, live, bias):
+            return dense_layer_forward(self.layer, self.router_cfg, p,
+                                       flat.astype(jnp.bfloat16), live, bias)[0]
+
+        if params is not None:
+            return forward(p, flat, live, bias).astype(self.dtype).reshape(
+                lead + (self.layer.hidden,))
+        if self._explicit():  # indexing experts sharded over the mesh: XLA's partitioner's
+            forward = jax.sharding.auto_axes(forward, out_sharding=NamedSharding(
+                self.mesh, P(_spec_entry(self.token_axes))))
+        return self._from_tokens(forward(p, flat, live, bias).astype(self.dtype), lead, x)
 
     def routing(self, x, *, params=None) -> Routing:
         """The router's view of x [B, S, H] or [T, H], as the layer and `dense` route it: the
@@ -501,17 +704,22 @@ class MoE(nnx.Module):
         For checks against another implementation of the layer: where the two implementations'
         selection scores for a token differ by more than its margin, they may route it to other
         experts (a near-tie), and its output then differs by O(1)."""
-        flat, lead = self._flatten(x) if params is None else (
-            jnp.asarray(x).reshape(-1, self.layer.hidden), tuple(x.shape[:-1]))
+        if params is None:
+            flat, lead = self._flatten(x)
+        else:
+            check_x_dtype(x)
+            flat, lead = jnp.asarray(x).reshape(-1, self.layer.hidden), tuple(x.shape[:-1])
         p, bias = self._params_and_bias(params)
-        k, E = self.layer.experts_per_token, self.layer.num_experts
+        k = self.layer.experts_per_token
         logits = _router_logits(flat.astype(jnp.bfloat16), p["router"])
         select = rtr.scores(self.router_cfg, logits)
         if bias is not None:
             select = select + jnp.asarray(bias, jnp.float32)[None, :]
-        return Routing(rtr.route(self.router_cfg, logits, k, bias).indices.reshape(lead + (k,)),
-                       select.reshape(lead + (E,)),
-                       rtr.selection_margin(self.router_cfg, logits, k, bias).reshape(lead))
+        out = (rtr.route(self.router_cfg, logits, k, bias).indices, select,
+               rtr.selection_margin(self.router_cfg, logits, k, bias))
+        if params is not None:
+            return Routing(*(a.reshape(lead + a.shape[1:]) for a in out))
+        return Routing(*(self._from_tokens(a, lead, x) for a in out))
 
     def _params_and_bias(self, params):
         """(the parameters as the layer computes with them, the expert bias or None): this
@@ -526,6 +734,51 @@ class MoE(nnx.Module):
         p = {n: jnp.asarray(v).astype(jnp.float32 if n == "router" else self.dtype)
              for n, v in p.items()}
         return p, bias
+
+
+def _after(n, y_prev, m: int):
+    """n (this rank's live-row count, [1] int32) computed from y_prev's data, so that what
+    uses it (routing, dispatch_send) runs after y_prev exists: min(n, m + isnan(y0)) acts as
+    n does (live rows are arange(m) < n), and XLA cannot fold a float's y0 != y0 (NaN). A
+    data edge, not an order_after barrier: XLA:CPU compiled that barrier away, and the
+    reference backend's protocol check then saw two side-by-side layers' cycles overlap."""
+    y0 = y_prev[0, 0]
+    return jnp.minimum(n, m + (y0 != y0).astype(n.dtype))
+
+
+# -- what a call accepts -------------------------------------------------------------------------
+X_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def check_x_dtype(x) -> None:
+    """TypeError unless x is bfloat16 or float32: tokens travel bf16, and f32 rounds to it as
+    the layer's stated precision; float16 (3 more mantissa bits, less range), float64 and
+    fp8 would change silently, and integers are not tokens."""
+    dtype = jnp.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
+    if dtype in X_DTYPES:
+        return
+    kind = "a floating dtype the layer does not take" if jnp.issubdtype(
+        dtype, jnp.floating) else "not a floating dtype"
+    raise TypeError(f"x has dtype {dtype.name}, {kind}: the MoE layer takes bfloat16 or "
+                    "float32 tokens (they travel as bf16). Cast x first, e.g. "
+                    "x.astype(jnp.bfloat16); float16 is not rounded to bf16 silently")
+
+
+def check_num_tokens(num_tokens, most: int, what: str) -> None:
+    """TypeError for a num_tokens that is not integral; ValueError for a concrete (Python or
+    NumPy) one outside [0, most]. A jax.Array's values (traced, or on a device) are not read
+    here: the caller clamps them."""
+    dtype = jnp.dtype(num_tokens.dtype if hasattr(num_tokens, "dtype") else
+                      np.asarray(num_tokens).dtype)
+    if dtype == np.bool_ or not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"num_tokens has dtype {dtype.name}; expected int32 counts of live "
+                        "rows")
+    if isinstance(num_tokens, jax.Array):
+        return
+    value = np.asarray(num_tokens)
+    if value.size and (value.min() < 0 or value.max() > most):
+        raise ValueError(f"num_tokens={value.tolist()} is outside [0, {most}] (live rows "
+                         f"{what}): pass a count of rows that exist")
 
 
 # -- the layer, per rank -------------------------------------------------------------------------
@@ -570,26 +823,19 @@ def moe_layers(model) -> list[MoE]:
 
 def create_handles(model) -> int:
     """Create the handles of every MoE layer of `model` that has none (collective: every
-    process, same order; outside any trace), one per distinct layer shape and budget, shared
-    by the layers. Returns how many handles the model uses."""
-    shared: dict = {}
+    process, same order; outside any trace): the layers of equal handle_key share one per
+    budget (with share_handles=False, a layer gets its own). Returns how many handles the
+    model uses."""
     for layer in moe_layers(model):
-        for budget, a2a in layer.handles.by_budget.items():  # reuse what exists
-            shared.setdefault(layer.handle_key(budget), a2a)
-    for layer in moe_layers(model):
-        layer.create_handles(shared)
+        layer.create_handles()
     return len({id(a) for layer in moe_layers(model) for a in layer.handles.by_budget.values()})
 
 
 def close_handles(model) -> None:
-    """Close every handle of `model`'s MoE layers once (collective)."""
-    seen = {}
+    """Let go of every handle of `model`'s MoE layers (collective): each is closed once no
+    layer holds it (layers of another model sharing a handle keep it open)."""
     for layer in moe_layers(model):
-        for a2a in layer.handles.by_budget.values():
-            seen[id(a2a)] = a2a
-        layer.handles.by_budget.clear()
-    for a2a in seen.values():
-        a2a.close()
+        layer.close()
 
 
 def check_handles(model) -> None:
@@ -600,6 +846,34 @@ def check_handles(model) -> None:
             seen[id(a2a)] = a2a
     for a2a in seen.values():
         a2a.check()
+
+
+def symmetric_allocations(model, *, staged: bool = False) -> list[int]:
+    """Bytes per rank of every nvshmem_malloc `model`'s handles make on the CUDA backend, as
+    create_handles(model) would make them (one handle per handle_key where layers share,
+    one per layer where they do not), before any exists."""
+    shared: dict[tuple, tuple[int, ...]] = {}
+    own: list[int] = []
+    for layer in moe_layers(model):
+        for key, allocs in layer.symmetric_allocations(staged=staged).items():
+            if layer.share_handles:
+                shared.setdefault(key, allocs)
+            else:
+                own.extend(allocs)
+    return [b for allocs in shared.values() for b in allocs] + own
+
+
+def symmetric_bytes(model, *, staged: bool = False) -> int:
+    """NVSHMEM symmetric bytes per rank that `model`'s handles take on the CUDA backend (the
+    sum of their AllToAll.symmetric_bytes once made), known before any exists. staged: the
+    ranks span nodes."""
+    return sum(symmetric_allocations(model, staged=staged))
+
+
+def nvshmem_symmetric_size(model, *, staged: bool = False) -> str:
+    """The NVSHMEM_SYMMETRIC_SIZE to set for `model`'s handles, with headroom
+    (sizes.nvshmem_symmetric_size), e.g. "96M"; add what else the process allocates."""
+    return sizes.nvshmem_symmetric_size(symmetric_allocations(model, staged=staged))
 
 
 def _place(x, sharding: NamedSharding):
