@@ -20,12 +20,18 @@ def table_rows(text: str) -> list[str]:
 
 def test_the_readme_headline_table_is_the_performance_page_table():
     readme = read("README.md")
-    bench = readme[readme.index("\n## Benchmarks\n"):]
+    bench = readme[readme.index("\n## Performance\n"):readme.index("\n## Usage\n")]
     rows = table_rows(bench)
-    assert len(rows) == 14, rows  # header, rule, 12 rows (V2-Lite and R1, 1 to 128 tokens)
+    assert len(rows) == 10, rows  # header, rule, 8 rows (V2-Lite and R1 at 1, 4, 16, 128 tokens)
     page = read("docs", "performance.md")
     assert "\n".join(rows) in page
-    assert "(benchmarks/results/2026-12-04-47ffc9f-loop/README.md)" in bench
+    current = "benchmarks/results/2026-12-07-7db58cd-h100-packed/"
+    assert f"({current}README.md)" in bench and f"({current}loop_compare.png)" in bench
+    # Every figure in the table is the results folder's own (its loop_compare.md).
+    figures = set(re.findall(r"\d+\.\d+", "\n".join(rows)))
+    source = read(*current.split("/"), "loop_compare.md")
+    assert figures <= set(re.findall(r"\d+\.\d+", source)), figures - set(
+        re.findall(r"\d+\.\d+", source))
 
 
 def test_every_results_link_resolves_and_every_results_folder_is_cited():
