@@ -132,11 +132,6 @@ std::string allocate_local(Handle* h) {
     h->slot_map_bytes = map_bytes;
     h->scratch.slot_map = static_cast<uint64_t*>(h->slot_map_memory);
   }
-  const size_t timing_bytes = size_t{kTimingSamples + 1} * kTimingSlots * sizeof(uint64_t);
-  err = cudaMalloc(&h->timings, timing_bytes);
-  if (err != cudaSuccess) return cuda_failure(err, "cudaMalloc(timings)");
-  err = cudaMemset(h->timings, 0, timing_bytes);
-  if (err != cudaSuccess) return cuda_failure(err, "cudaMemset(timings)");
   err = cudaHostAlloc(reinterpret_cast<void**>(&h->error_host), sizeof(ErrorRecord),
                       cudaHostAllocMapped);
   if (err != cudaSuccess) return cuda_failure(err, "cudaHostAlloc(error record)");
@@ -182,6 +177,20 @@ std::string reset_protocol_state(Handle* h, uint64_t epoch) {
   if (err != cudaSuccess) return cuda_failure(err, "cudaDeviceSynchronize");
   *h->error_host = ErrorRecord{};  // after the sync: no kernel of ours writes it any more
   return "";
+}
+
+// Staged handles: the puts our kernels queued to NVSHMEM's proxy (network peers) may still be
+// in flight after the kernels end; a quiet on a stream completes them, so none lands after
+// the reset or free that follows. Load/store peers have nothing queued. Callers synced first.
+std::string quiet_network_puts(Handle* h) {
+  if (!h->staged) return "";
+  cudaStream_t stream = nullptr;
+  cudaError_t err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  if (err != cudaSuccess) return cuda_failure(err, "cudaStreamCreate(quiet)");
+  nvshmemx_quiet_on_stream(stream);
+  err = cudaStreamSynchronize(stream);
+  cudaStreamDestroy(stream);
+  return err == cudaSuccess ? "" : cuda_failure(err, "nvshmemx_quiet_on_stream");
 }
 
 void free_local(Handle* h) {
@@ -334,7 +343,15 @@ std::string destroy_handle(int64_t id) {
   }
   std::lock_guard<std::mutex> lock(h->mutex);  // no handler is mid-call
   h->closed = true;
+  // Closed on the device before anything is freed: a launch replayed from a command buffer
+  // from here on refuses at its start instead of touching buffers that are about to go.
+  const uint32_t closed = 1;
+  cudaError_t err = cudaSuccess;
+  if (h->scratch.state != nullptr)
+    err = cudaMemcpy(&h->scratch.state->closed, &closed, sizeof(closed), cudaMemcpyHostToDevice);
   cudaDeviceSynchronize();
+  std::string error = err == cudaSuccess ? quiet_network_puts(h.get())
+                                         : cuda_failure(err, "cudaMemcpy(closed)");
   nvshmem_barrier_all();  // nobody still writes into our buffers
   if (h->symmetric) nvshmem_free(h->symmetric);
   h->symmetric = nullptr;
@@ -342,34 +359,72 @@ std::string destroy_handle(int64_t id) {
   h->slot_map_memory = nullptr;
   if (h->scratch.state == nullptr) {  // creation failed before the local state existed
     free_local(h.get());
-    return "";
+    return error;
   }
   // The slot map goes (a stale launch refuses before it would read it); the rest is kept for
-  // the life of the process (a few KB and the timing rows): a command buffer recorded
-  // before close() may still replay our launches with these addresses (DeviceState::closed).
-  const uint32_t closed = 1;
-  const cudaError_t err = cudaMemcpy(&h->scratch.state->closed, &closed, sizeof(closed),
-                                     cudaMemcpyHostToDevice);
+  // the life of the process (DeviceState and the counters, a few hundred bytes, and the pinned
+  // error record; the timing rows only where timing was ever on): a command buffer recorded
+  // before close() may still replay our launches with these addresses.
   *h->error_host = ErrorRecord{};  // after the sync above: a stale launch records afresh
   std::lock_guard<std::mutex> g(g_mutex);
   g_closed[id] = h;
-  return err == cudaSuccess ? "" : cuda_failure(err, "cudaMemcpy(closed)");
+  return error;
 }
 
-std::string recover_handle(int64_t id) {
+std::string quiesce_handle(int64_t id, uint64_t* clean_out) {
+  *clean_out = 0;
   const std::shared_ptr<Handle> h = find_handle(id);
   if (h == nullptr) return "no open handle with id " + std::to_string(id);
   std::lock_guard<std::mutex> lock(h->mutex);  // no handler is mid-call
   if (!h->create_error.empty()) return "its creation failed: " + h->create_error;
   // Our kernels end: every wait is bounded by the timeout, and they give up at once when the
-  // abort word is set, so these return; after the barrier no rank's kernel still runs
-  // and every put has landed (nvshmem_barrier_all completes them).
+  // abort word is set, so this returns.
+  const cudaError_t err = cudaDeviceSynchronize();
+  if (err != cudaSuccess) return cuda_failure(err, "cudaDeviceSynchronize");
+  std::string error = quiet_network_puts(h.get());
+  if (!error.empty()) return error;
+  uint64_t done = 0;  // combine_recv's launches: cycles that ended, failed ones included
+  const cudaError_t copied = cudaMemcpy(&done, &h->scratch.state->epoch[kCombineRecvKernel],
+                                        sizeof(done), cudaMemcpyDeviceToHost);
+  if (copied != cudaSuccess) return cuda_failure(copied, "cudaMemcpy(epoch)");
+  // After the first error every later cycle is poisoned, so the clean ones are those before it.
+  const ErrorRecord& rec = *h->error_host;
+  const uint64_t clean = rec.code != kOk && rec.cycle > 0 ? std::min(done, rec.cycle - 1) : done;
+  *clean_out = h->cycles_before_reset + clean;
+  return "";
+}
+
+std::string recover_handle(int64_t id, uint64_t agreed_cycles) {
+  const std::shared_ptr<Handle> h = find_handle(id);
+  if (h == nullptr) return "no open handle with id " + std::to_string(id);
+  std::lock_guard<std::mutex> lock(h->mutex);  // no handler is mid-call
+  if (!h->create_error.empty()) return "its creation failed: " + h->create_error;
+  // quiesce_handle ran on every rank before the agreement: after this barrier no rank's kernel
+  // still runs and no put of ours is in flight.
   const cudaError_t err = cudaDeviceSynchronize();
   nvshmem_barrier_all();
   std::string error =
       err == cudaSuccess ? reset_protocol_state(h.get(), 0) : cuda_failure(err, "sync");
+  if (error.empty()) h->cycles_before_reset = agreed_cycles;
   nvshmem_barrier_all();  // every rank is clean before any rank's next cycle signals
   return error;
+}
+
+std::string ensure_timing_rows(Handle* h) {
+  if (h->timings != nullptr) return "";
+  const size_t bytes = size_t{kTimingSamples + 1} * kTimingSlots * sizeof(uint64_t);
+  cudaError_t err = cudaMalloc(&h->timings, bytes);
+  if (err != cudaSuccess) {
+    h->timings = nullptr;
+    return cuda_failure(err, "cudaMalloc(timings)");
+  }
+  err = cudaMemset(h->timings, 0, bytes);
+  return err == cudaSuccess ? "" : cuda_failure(err, "cudaMemset(timings)");
+}
+
+size_t open_handles() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_handles.size();
 }
 
 std::string closed_handle_error(int64_t id) {
@@ -426,6 +481,14 @@ std::shared_ptr<Handle> find_handle(int64_t id) {
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_handles.find(id);
   return it == g_handles.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<Handle> find_open_or_closed_handle(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_handles.find(id);
+  if (it != g_handles.end()) return it->second;
+  auto closed = g_closed.find(id);
+  return closed == g_closed.end() ? nullptr : closed->second;
 }
 
 std::shared_ptr<DenseHandle> find_dense_handle(int64_t id) {

@@ -35,9 +35,13 @@ struct Handle {
   ErrorRecord* error_host = nullptr;    // pinned, mapped
   ErrorRecord* error_device = nullptr;  // device view of the same memory
   // device, [kTimingSamples + 1][kTimingSlots]: the ring of finished samples, then the
-  // current sample's row (the kernels stamp it; the next barrier files it into the ring)
+  // current sample's row (the kernels stamp it; the next barrier files it into the ring).
+  // Allocated by the first set_timing(true) (ensure_timing_rows); null until then.
   uint64_t* timings = nullptr;
   std::string create_error;             // non-empty: this rank failed to create it
+  // Cycles every rank completed cleanly before the last recover() (its agreement), so that
+  // quiesce_handle counts from creation although recover() restarts the device's counts.
+  uint64_t cycles_before_reset = 0;
 
   // Guarded by `mutex`, which a handler holds for its whole call (check, launch).
   std::mutex mutex;
@@ -80,15 +84,25 @@ struct DenseHandle {
 // kernels send to them exactly as to a peer on another node (`staged` must then be true).
 std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns, bool staged,
                           int staged_node_size, uint64_t start_epoch, int64_t* id_out);
-// Frees the symmetric buffer and marks the handle closed; its small local state (DeviceState,
-// timing rows, error record) is kept for the life of the process, so a launch replayed from a
+// Marks the handle closed on the device first, then frees the symmetric buffer; its small local
+// state (DeviceState, counters, error record, timing rows if any) is kept for the life of the process, so a launch replayed from a
 // command buffer recorded before close() reads valid memory, refuses and records kStaleLaunch
 // (closed_handle_error reads it).
 std::string destroy_handle(int64_t id);
-// Collective, after an error: waits for this rank's kernels, then (between two barriers of all
-// ranks) clears every flag, launch count, counter, the abort word and the error record. The
-// same handle, with the same buffers (so the same compiled steps), starts again at cycle 1.
-std::string recover_handle(int64_t id);
+// recover(), step 1 (local): waits for this rank's kernels and, on a staged handle, for the
+// network puts they queued (a quiet); then *clean_out = the cycles this rank completed with no
+// error since creation (the cycles before its first error). The ranks agree on those counts
+// (Python, through the key-value store) before step 2.
+std::string quiesce_handle(int64_t id, uint64_t* clean_out);
+// recover(), step 2 (collective): between two barriers of all ranks clears every flag, launch
+// count, counter, the abort word and the error record, and counts `agreed_cycles` as
+// completed. The same handle, with the same buffers (so the same compiled steps), starts
+// again at the device's cycle 1.
+std::string recover_handle(int64_t id, uint64_t agreed_cycles);
+// The timing rows, allocated on the first set_timing(true) (most handles never time).
+std::string ensure_timing_rows(Handle* h);
+// Handles created and not yet destroyed in this process (finalize() refuses while any is).
+size_t open_handles();
 // The error a stale launch recorded on closed handle `id` ("" if none, or if `id` was never a
 // handle of this process).
 std::string closed_handle_error(int64_t id);
@@ -97,7 +111,10 @@ std::string destroy_dense_handle(int64_t id);
 // Collective: whether every peer's symmetric memory is reachable by load/store from here.
 bool probe_peers_p2p();
 
-std::shared_ptr<Handle> find_handle(int64_t id);
+std::shared_ptr<Handle> find_handle(int64_t id);  // open handles only
+// Open, or closed and kept (destroy_handle): the handlers count and refuse calls on a closed
+// one, so a step re-recorded after close() is told apart from one XLA replayed.
+std::shared_ptr<Handle> find_open_or_closed_handle(int64_t id);
 std::shared_ptr<DenseHandle> find_dense_handle(int64_t id);
 
 // "" if the handle's kernels recorded no error, else a message naming the error kind first.

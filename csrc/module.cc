@@ -70,7 +70,15 @@ NB_MODULE(_native, m) {
   m.def("init", [](nb::bytes uid, int rank, int nranks, int device) {
     raise_if(jmc::init(std::string(uid.c_str(), uid.size()), rank, nranks, device));
   });
-  m.def("finalize", [] { raise_if(jmc::finalize()); });
+  // Refused while a handle is open: NVSHMEM's finalize would free the symmetric memory under
+  // it, and a compiled step that still names it would write into freed memory.
+  m.def("finalize", [] {
+    if (const size_t open = jmc::open_handles())
+      throw std::runtime_error("finalize() with " + std::to_string(open) +
+                               " all-to-all handle(s) still open: close() each (or leave its "
+                               "`with` block) on every rank first");
+    raise_if(jmc::finalize());
+  });
   m.def("initialized", &jmc::initialized);
   m.def("my_pe", &jmc::my_pe);
   m.def("n_pes", &jmc::n_pes);
@@ -109,8 +117,19 @@ NB_MODULE(_native, m) {
       nb::arg("packed_rows") = 0, nb::arg("drop_overflow") = false,
       nb::arg("expert_rows") = 0);
   m.def("destroy_handle", [](int64_t id) { raise_if(jmc::destroy_handle(id)); });
-  // Collective: back to a clean cycle 1 after an error (handle.h).
-  m.def("recover_handle", [](int64_t id) { raise_if(jmc::recover_handle(id)); });
+  // recover(), step 1 (local): the cycles this rank completed with no error (handle.h).
+  m.def("quiesce_handle", [](int64_t id) {
+    uint64_t clean = 0;
+    raise_if(jmc::quiesce_handle(id, &clean));
+    return clean;
+  });
+  // recover(), step 2 (collective): back to a clean device cycle 1, `agreed_cycles` counted as
+  // completed (handle.h).
+  m.def("recover_handle", [](int64_t id, uint64_t agreed_cycles) {
+        raise_if(jmc::recover_handle(id, agreed_cycles));
+      },
+      nb::arg("id"), nb::arg("agreed_cycles"));
+  m.def("open_handles", &jmc::open_handles);
   // The error a launch replayed after close() recorded on closed handle `id` ("" if none).
   m.def("closed_handle_error", &jmc::closed_handle_error);
   m.def("probe_peers_p2p", [] {
@@ -189,6 +208,7 @@ NB_MODULE(_native, m) {
   m.def("set_timing", [](int64_t id, bool on) {
     auto h = handle(id);
     std::lock_guard<std::mutex> lock(h->mutex);
+    if (on) raise_if(jmc::ensure_timing_rows(h.get()));
     h->timing = on;
     if (!on) return;
     sync_device();
@@ -223,8 +243,9 @@ NB_MODULE(_native, m) {
   });
   // How many times a handler of this handle ran (tests: XLA replaying a command buffer runs
   // none of ours).
-  m.def("handler_calls", [](int64_t id) {
-    auto h = handle(id);
+  m.def("handler_calls", [](int64_t id) {  // closed handles too: their handlers refuse
+    auto h = jmc::find_open_or_closed_handle(id);
+    if (h == nullptr) throw std::runtime_error("no all-to-all handle " + std::to_string(id));
     std::lock_guard<std::mutex> lock(h->mutex);
     return h->handler_calls;
   });

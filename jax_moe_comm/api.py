@@ -127,18 +127,15 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 def _under_trace() -> bool:
     """Whether JAX is tracing here (jit, eval_shape, grad, shard_map, ...)."""
-    from jax._src import core
+    from ._jax_compat import under_trace
 
-    clean = getattr(core, "trace_state_clean", None)
-    if clean is not None:
-        return not clean()
-    return not isinstance(core.trace_ctx.trace, core.EvalTrace)  # pragma: no cover
+    return under_trace()
 
 
 def _current_trace():
-    from jax._src import core
+    from ._jax_compat import current_trace
 
-    return core.trace_ctx.trace
+    return current_trace()
 
 
 def _call_site() -> str:
@@ -539,17 +536,27 @@ class AllToAll:
             if poll is not None:
                 poll()
 
-    def recover(self) -> None:
-        """Collective, after an error: every process calls it. Waits for this rank's kernels,
-        then brings the handle back to a clean cycle on every rank (flags, launch counts and
-        the error record cleared; same buffers), so the compiled steps that use it run again
-        without re-jit. Errors already raised stay raised; the cycle that failed is lost."""
+    def recover(self) -> int | None:
+        """Collective, after an error: every process calls it (once any rank's poll() or
+        check() raised). Waits for this rank's kernels and network puts, agrees with every
+        rank on the dispatch + combine cycles all of them completed with no error since
+        creation, then brings the handle back to a clean cycle on every rank (flags, launch
+        counts and the error record cleared; same buffers), so the compiled steps that use it
+        run again without re-jit. Returns that agreed count (a rank that completed one cycle
+        more discards it): resume from step count // cycles per step, the same on every rank.
+        Raises RecoveryError, resetting nothing, when the ranks' counts are more than one
+        cycle apart (they are not on one timeline: restart the job). The reference backend
+        counts no cycles: None."""
         if self._closed:
             raise ProtocolError("recover() on a closed AllToAll handle: create a new one")
-        for b in self._backends:
+        agreed = None
+        for i, b in enumerate(self._backends):  # the forward handle first
             recover = getattr(b, "recover", None)
             if recover is not None:
-                recover()
+                done = recover()
+                if i == 0:
+                    agreed = done
+        return agreed
 
     def _own(self, pending, kind: str) -> None:
         """Refuse another handle's pending (its recv would take this handle's cycle)."""

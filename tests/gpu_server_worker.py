@@ -105,7 +105,9 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 - a handler that runs refuses the handle
                 refused_or_nan = "unusable" in str(e)
             assert refused_or_nan, "a cycle on a poisoned handle returned rows that look real"
-            a2a.recover()
+            # The first cycle failed on every rank: none completed, on every rank alike.
+            done = a2a.recover()
+            assert done == 0, f"recover() agreed on {done} completed cycles, expected 0"
             for i in range(3):
                 T.run_and_check(a2a, mesh, T.make_inputs(tiny, 100 + i), step=step)
             a2a.check()
@@ -143,11 +145,16 @@ def main() -> int:
                     time.sleep(3.0)
                 run_cycle(step, args, RANK)
                 said = timeouts_say("late", a2a, f"rank {WORLD - 1} has not started cycle")
-                a2a.recover()
+                # Cycle 1 completed everywhere, cycle 2 failed everywhere: one agreed cycle;
+                # then three more, and a second recover() counts from creation (4).
+                done = a2a.recover()
+                assert done == 1, f"recover() agreed on {done} completed cycles, expected 1"
                 for i in range(3):
                     T.run_and_check(a2a, mesh, T.make_inputs(tiny, 200 + i), step=step)
                 a2a.check()
-                return f"rank {RANK}: {said[:150]}; recovered"
+                again = a2a.recover()
+                assert again == 4, f"a second recover() agreed on {again}, expected 4"
+                return f"rank {RANK}: {said[:150]}; recovered at cycle {done}, then {again}"
 
         @suite.case(f"EP{WORLD}-rank-held-between-dispatch-and-combine")
         def held_mid_cycle():
@@ -194,6 +201,8 @@ def main() -> int:
             jax.block_until_ready(out)
             del out
         a.close()
+        a_id, native_mod = a._backend.handle, a._backend._mod
+        calls_before = native_mod.handler_calls(a_id)  # a closed handle still counts
         with AllToAll(tiny, backend="nvshmem") as b:
             how = ""
             try:
@@ -205,10 +214,18 @@ def main() -> int:
                     raise AssertionError("a.check() did not report the stale launch")
                 except ProtocolError as e:
                     how = f"replayed and refused on the device: {str(e)[:80]}"
+                # The replay path: XLA ran the recording, so no handler of a's ran.
+                calls = native_mod.handler_calls(a_id)
+                assert calls == calls_before, \
+                    f"the device refused, but a's handlers ran {calls - calls_before} times"
                 del y
             except AssertionError:
                 raise
             except Exception as e:  # noqa: BLE001 - the handler refused a closed handle
+                # The re-record path: a's handler ran, and refused the closed handle.
+                calls = native_mod.handler_calls(a_id)
+                assert calls > calls_before and "the handle is closed" in str(e), \
+                    f"refused without a's handler ({calls - calls_before} calls): {e}"
                 how = f"re-recorded and refused by the handler: {str(e).splitlines()[0][:80]}"
             T.run_and_check(b, mesh, T.make_inputs(tiny, 78))
             b.check()

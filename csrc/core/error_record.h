@@ -62,6 +62,10 @@ struct ErrorRecord {
   uint32_t what;
   uint32_t claimed;   // first-wins ticket, so the fields are whole before `code` is set
   PeerView view;      // kPeerTimeout waiting for a rank; else zero
+  // The cycle (1, 2, ... since creation or recover()) of the launch that failed: its kernel's
+  // launches done + 1 (for the barrier, between cycles: the next cycle). recover() agrees on
+  // the cycles every rank completed from it (handle.cc, clean_cycles).
+  uint64_t cycle;
 };
 
 // The abort word a failing rank SETs on every peer: (error code << 32) | (rank + 1).
@@ -79,10 +83,11 @@ __host__ __device__ inline uint32_t abort_code(uint64_t word) {
 // Returns true in the one thread whose error was recorded (the first on this rank).
 __device__ __forceinline__ bool record_error(ErrorRecord* rec, ErrorCode code, Phase phase,
                                              int peer, int token, uint64_t expected,
-                                             uint64_t seen, What what,
+                                             uint64_t seen, What what, uint64_t cycle,
                                              const PeerView* view = nullptr) {
   if (atomicCAS(&rec->claimed, 0u, 1u) != 0u) return false;
   if (view != nullptr) rec->view = *view;
+  rec->cycle = cycle;
   rec->phase = phase;
   rec->peer = peer;
   rec->token = token;

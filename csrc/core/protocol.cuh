@@ -86,7 +86,19 @@ __device__ __forceinline__ void set_ack(const CommonParams& c, uint64_t* flag, u
 inline __device__ __noinline__ void fail(const CommonParams& c, ErrorCode code, Phase phase,
                                          int peer, int token, uint64_t expected, uint64_t seen,
                                          What what, const PeerView* view = nullptr) {
-  if (!record_error(c.error, code, phase, peer, token, expected, seen, what, view)) return;
+  // The failing launch's cycle: its kernel's count advances only when the launch ends
+  // (finish_launch), so the count + 1; the barrier runs between cycles (the next one).
+  int kernel = kCombineRecvKernel;
+  switch (phase) {
+    case kPhaseDispatchSend: kernel = kDispatchSendKernel; break;
+    case kPhaseDispatchRecv: kernel = kDispatchRecvKernel; break;
+    case kPhaseCombineSend: kernel = kCombineSendKernel; break;
+    default: break;
+  }
+  const uint64_t cycle =
+      *reinterpret_cast<volatile uint64_t*>(&c.scratch.state->epoch[kernel]) + 1;
+  if (!record_error(c.error, code, phase, peer, token, expected, seen, what, cycle, view))
+    return;
   if (code == kPeerAborted) return;  // the peer that failed first told everyone already
   if (code == kStaleLaunch) return;  // a closed handle: its symmetric buffer may be another's
   const uint64_t word = abort_value(code, c.rank);

@@ -52,7 +52,7 @@ inline xla::ffi::Error protocol_error(Op op, int64_t id, const std::string& why)
 // recorded into the command buffer at most once", seen on the H200 with jax 0.11.2), so the
 // same compiled step could not run again after recover(). `op` names the caller in messages.
 inline xla::ffi::Error begin(int64_t id, Op op, Call* call) {
-  call->handle = find_handle(id);
+  call->handle = find_open_or_closed_handle(id);
   if (call->handle == nullptr)
     return xla::ffi::Error(xla::ffi::ErrorCode::kInvalidArgument,
                            std::string(op_name(op)) + ": no all-to-all handle " +

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import bootstrap, native
+from .. import bootstrap, native, recovery
 from . import ffi_call
 from ..config import KernelTuning, MoEConfig
 from ..errors import (CapacityExceededError, CorruptDataError, InvalidRoutingError,
@@ -346,11 +346,17 @@ class NvshmemBackend:
             return self._mod.check_handle(self.handle)
         return self._mod.handle_error(self.handle)
 
-    def recover(self):
-        """Collective: waits for this rank's kernels, then on every rank clears the handle's
-        flags, launch counts and error record, so the same handle (same buffers, so the same
-        compiled steps) runs again from a clean cycle."""
-        self._mod.recover_handle(self.handle)
+    def recover(self) -> int:
+        """Collective: waits for this rank's kernels (and, staged, its network puts), agrees
+        with every rank on the cycles all of them completed with no error since creation
+        (jax_moe_comm.recovery), then on every rank clears the handle's flags, launch counts and
+        error record, so the same handle (same buffers, so the same compiled steps) runs again.
+        Returns the agreed count; RecoveryError (on every rank alike, nothing reset) when the
+        ranks are more than one cycle apart."""
+        mine = self._mod.quiesce_handle(self.handle)
+        agreed = recovery.agree("recover", mine)
+        self._mod.recover_handle(self.handle, agreed)
+        return agreed
 
     def launch_shape(self) -> list[tuple[int, int]]:
         """(blocks, warps per block) of dispatch_send, dispatch_recv, combine_send, combine_recv,
