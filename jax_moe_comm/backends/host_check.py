@@ -33,14 +33,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:  # private pieces, as in ffi_call.py; without them the checks are off (trace-time only)
-    from jax._src import core as _core
-    from jax._src import dispatch as _dispatch
-    from jax._src.callback import _callback_op_sharding, emit_python_callback
-    from jax._src.interpreters import ad as _ad
-    from jax._src.interpreters import partial_eval as _pe
+try:  # private pieces (_jax_compat); without them the checks are off (trace-time only)
+    from .._jax_compat import MISSING, register_dce_rule
+    from .._jax_compat import ad as _ad
+    from .._jax_compat import callback_op_sharding as _callback_op_sharding
+    from .._jax_compat import core as _core
+    from .._jax_compat import dispatch as _dispatch
+    from .._jax_compat import emit_python_callback
+    from .._jax_compat import pe as _pe
     from jax.extend.core import Primitive
     from jax.interpreters import mlir
+
+    if MISSING:
+        raise ImportError(MISSING)
 except (ImportError, AttributeError):  # pragma: no cover - depends on the jax version
     Primitive = None
 
@@ -145,7 +150,7 @@ def _primitive():
     p.def_abstract_eval(abstract_eval)
     mlir.register_lowering(p, lowering)
     _ad.defjvp_zero(p)
-    _pe.dce_rules[p] = dce
+    register_dce_rule(p, dce)
     _pe.partial_eval_jaxpr_custom_rules[p] = remat
     return p
 
