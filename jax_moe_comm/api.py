@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import sys
@@ -309,6 +310,19 @@ def resolve_backend(backend: str, config: MoEConfig | None = None) -> str:
     return "reference"
 
 
+def _scoped(method):
+    """The op under jax.named_scope("jax_moe_comm.<op>"), so that a profile (XProf, Perfetto)
+    and the HLO's op metadata name our custom calls and what surrounds them."""
+    scope = f"jax_moe_comm.{method.__name__}"
+
+    @functools.wraps(method)
+    def scoped(*args, **kwargs):
+        with jax.named_scope(scope):
+            return method(*args, **kwargs)
+
+    return scoped
+
+
 class AllToAll:
     """One expert-parallel all-to-all of a fixed layer shape.
 
@@ -432,6 +446,9 @@ class AllToAll:
         self._closed = False
         self._serial = next(_HANDLE_SERIALS)
         self._dispatch_order, self._combine_order = _Half("dispatch"), _Half("combine")
+        from . import debug
+
+        debug.report(self, backend)  # JMC_DEBUG=1: what was chosen and why
 
     def _make_backend(self, config: MoEConfig, recv_rows: int | None = None,
                       expert_capacity: int | None = None):
@@ -577,6 +594,7 @@ class AllToAll:
         return self._backend
 
     # -- dispatch --------------------------------------------------------------------------
+    @_scoped
     def dispatch_send(self, x, indices, num_tokens, *, x_scale=None,
                       weights=None) -> PendingDispatch:
         """Start sending every token to the ranks of its experts. Returns what recv needs.
@@ -607,6 +625,7 @@ class AllToAll:
         return PendingDispatch(state, ad.DispatchArgs(x, x_scale, first, num_tokens, merged),
                                self._serial, serial)
 
+    @_scoped
     def dispatch_recv(self, pending: PendingDispatch) -> DispatchOutput:
         """Wait for every peer's tokens and lay them out per local expert (self.layout)."""
         if not isinstance(pending, PendingDispatch) or pending.args is None:
@@ -624,6 +643,7 @@ class AllToAll:
             a.weights))
         return DispatchOutput(expert_x, scale, counts, Routing(routing, counts), ew, dropped)
 
+    @_scoped
     def dispatch(self, x, indices, num_tokens, *, x_scale=None, weights=None) -> DispatchOutput:
         """dispatch_send then dispatch_recv, with nothing between: the nvshmem backend runs
         both halves in one kernel launch."""
@@ -631,6 +651,7 @@ class AllToAll:
                                                       fused=True))
 
     # -- combine ---------------------------------------------------------------------------
+    @_scoped
     def combine_send(self, expert_y, routing) -> PendingCombine:
         """Start sending every expert output row back to its token's home rank(s).
 
@@ -656,6 +677,7 @@ class AllToAll:
         return PendingCombine(state, ad.CombineArgs(expert_y, routing.backend), self._serial,
                               serial)
 
+    @_scoped
     def combine_recv(self, pending: PendingCombine, indices, weights, num_tokens) -> jax.Array:
         """Wait for every row of this rank's tokens; y[t] = sum_j weights[t,j] * row(t,j).
 
@@ -677,6 +699,7 @@ class AllToAll:
         return _named(ad.combine_recv(self._plan, pending.state, a.expert_y, a.routing, first,
                                       merged, num_tokens))
 
+    @_scoped
     def combine(self, expert_y, routing, indices, weights, num_tokens) -> jax.Array:
         """combine_send then combine_recv, with nothing between (one launch on nvshmem)."""
         return self.combine_recv(self._combine_send(expert_y, routing, fused=True), indices,

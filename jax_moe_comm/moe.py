@@ -296,19 +296,22 @@ def experts_and_shared(a2a: AllToAll, cfg: MoELayerConfig, params, x, indices, w
     pending = a2a.dispatch_send(x, indices, num_tokens)
     h = None
     if cfg.num_shared_experts:  # the dispatch window: the first GEMM and the activation
-        h = mlp_hidden(x, params["shared_in"], cfg.gated)
+        with jax.named_scope("jax_moe_comm.shared_experts_in"):
+            h = mlp_hidden(x, params["shared_in"], cfg.gated)
         # only the state is tied: tying the gradient rule's inputs too would copy x
         pending = pending._replace(state=order_after(pending.state, h))
     out = a2a.dispatch_recv(pending)
-    expert_y = experts_forward(a2a, params, out, cfg.expert_gemm, cfg.gemm_row_buckets,
-                               gated=cfg.gated)
+    with jax.named_scope("jax_moe_comm.experts"):
+        expert_y = experts_forward(a2a, params, out, cfg.expert_gemm, cfg.gemm_row_buckets,
+                                   gated=cfg.gated)
     if h is None:  # nothing to overlap: the fused combine (one launch at decode sizes)
         return a2a.combine(expert_y, out.routing, indices, weights, num_tokens).astype(f32)
     sent = a2a.combine_send(expert_y, out.routing)
     # The combine window: the second GEMM. Its input is tied after combine_send, or nothing
     # would order it after the send (XLA could run it in the dispatch window, or before the
     # send, delaying the rows); the recv's state is tied after its output.
-    s = mlp_output(order_after(h, sent.state), params["shared_out"])
+    with jax.named_scope("jax_moe_comm.shared_experts_out"):
+        s = mlp_output(order_after(h, sent.state), params["shared_out"])
     sent = sent._replace(state=order_after(sent.state, s))
     y = a2a.combine_recv(sent, indices, weights, num_tokens)
     return y.astype(f32) + s
@@ -344,8 +347,9 @@ def moe_forward(a2a: AllToAll, cfg: MoELayerConfig, params, x, num_tokens, drop=
     there (gradient straight through the quantization). route_x: the tensor the router reads
     (default x).
     """
-    indices, weights = route(params["router"], x if route_x is None else route_x,
-                             cfg.experts_per_token, drop)
+    with jax.named_scope("jax_moe_comm.router"):
+        indices, weights = route(params["router"], x if route_x is None else route_x,
+                                 cfg.experts_per_token, drop)
     y = experts_and_shared(a2a, cfg, params, x, indices, weights, num_tokens)
     rows = jnp.arange(cfg.max_num_tokens)[:, None] < num_tokens
     return jnp.where(rows, y, 0).astype(bf16)

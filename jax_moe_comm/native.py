@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 
 REQUIRED_NVSHMEM = (3, 4, 5)
 
@@ -73,8 +74,25 @@ def unavailable_reason() -> str:
                 f"{v(map(str, REQUIRED_NVSHMEM))} for both (the device state layout changes "
                 f"between versions). `pip install {nvshmem_requirement()}` and rebuild.")
     if _native.cuda_device_count() == 0:
-        return f"no usable CUDA device: {_native.cuda_driver_error()}"
+        return no_device_reason(_native.cuda_driver_error())
     return ""
+
+
+def _driver_present() -> bool:
+    """Whether an NVIDIA kernel driver is loaded here (its /proc entry, or a device node)."""
+    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")
+
+
+def no_device_reason(cuda_error: str) -> str:
+    """What to say when CUDA sees no device. With no NVIDIA driver at all the CUDA runtime
+    reports cudaErrorInsufficientDriver ("driver version is insufficient"), which reads as a
+    version mismatch on a machine that simply has no GPU: say that instead. With a driver
+    loaded the CUDA error is the real reason (a driver older than the runtime, no visible
+    device, ...)."""
+    if not _driver_present():
+        return ("no NVIDIA GPU here (no NVIDIA driver is loaded); the reference backend runs "
+                "on CPUs")
+    return f"no usable CUDA device: {cuda_error}"
 
 
 def built_archs() -> tuple[tuple[int, ...], int | None]:

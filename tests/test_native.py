@@ -30,7 +30,21 @@ def test_cuda_path_reports_why_not_here():
     reason = native.unavailable_reason()
     assert reason
     if native.built():
-        assert "no usable CUDA device" in reason
+        # No NVIDIA driver here (CI's machines): said plainly, not as CUDA's "driver version is
+        # insufficient"; with a driver loaded, CUDA's own error is the reason.
+        expected = ("no usable CUDA device" if native._driver_present()
+                    else "no NVIDIA GPU here (no NVIDIA driver is loaded)")
+        assert expected in reason, reason
+        assert native._driver_present() or "insufficient" not in reason, reason
+
+
+def test_the_no_device_reason_keeps_cudas_error_only_with_a_driver(monkeypatch):
+    cuda = "cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime"
+    monkeypatch.setattr(native, "_driver_present", lambda: False)
+    assert native.no_device_reason(cuda).startswith("no NVIDIA GPU here")
+    assert "insufficient" not in native.no_device_reason(cuda)
+    monkeypatch.setattr(native, "_driver_present", lambda: True)
+    assert native.no_device_reason(cuda) == f"no usable CUDA device: {cuda}"
     from jax_moe_comm import NativeUnavailableError
 
     with pytest.raises(NativeUnavailableError):
