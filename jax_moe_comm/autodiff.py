@@ -254,7 +254,7 @@ def dispatch_send(plan: Plan, x, x_scale, indices, num_tokens, weights, fused: b
 # every handle; 0: off. On the GPU: bit for bit against XLA's pass (H200, 2745fad: fused and
 # split, both layouts, the layer's y), and the whole gradient suite at 2 ranks passed with it
 # (H100, 9448dd0); it took 128 us off V2-Lite's dispatch + combine at 128 tokens per rank and
-# 589 us off R1's (the same H100 call, benchmarks/results/2026-12-05-9448dd0-h100).
+# 589 us off R1's (the same H100 call, benchmarks/results/archive/2026-12-05-9448dd0-h100).
 RECV_DEQUANTIZE_ENV = "JMC_RECV_DEQUANTIZE"
 
 

@@ -1,6 +1,7 @@
 """The docs and the results they cite: the README's headline table is the docs' table, every
-results link resolves, and benchmarks/results holds only the runs something cites (older ones
-are in its HISTORY.md). `mkdocs build --strict` itself runs in scripts/docs.sh."""
+results link resolves, benchmarks/results holds at its top level only the runs the README and
+the performance page cite (older ones in its archive/), and HISTORY.md lists every folder.
+`mkdocs build --strict` itself runs in scripts/docs.sh."""
 
 import os
 import re
@@ -34,21 +35,51 @@ def test_the_readme_headline_table_is_the_performance_page_table():
         re.findall(r"\d+\.\d+", source))
 
 
-def test_every_results_link_resolves_and_every_results_folder_is_cited():
-    cited = set()
-    for doc, prefix in (("README.md", "benchmarks/results/"), ("docs/performance.md", "results/"),
-                        ("benchmarks/results/HISTORY.md", "")):
-        text = read(*doc.split("/"))
-        for target in re.findall(r"\]\(([^)#]+)\)", text):
-            if not target.startswith(prefix) or "://" in target:
+def results_folders() -> dict[str, str]:
+    """Every results folder, top level and archive/, by its path under benchmarks/results."""
+    folders = {}
+    for parent in ("", "archive"):
+        for d in os.listdir(os.path.join(RESULTS, parent)):
+            if parent == "" and d == "archive":
                 continue
-            rel = target[len(prefix):]
-            path = os.path.join(RESULTS, rel)
-            assert os.path.exists(path), f"{doc} links {target}, which is missing"
-            cited.add(rel.split("/")[0])
-    folders = {d for d in os.listdir(RESULTS) if os.path.isdir(os.path.join(RESULTS, d))}
-    assert folders and folders <= cited, f"results folders nothing cites: {folders - cited}"
-    assert os.path.isfile(os.path.join(RESULTS, "HISTORY.md"))
+            if os.path.isdir(os.path.join(RESULTS, parent, d)):
+                folders[d] = f"{parent}/{d}" if parent else d
+    return folders
+
+
+def cited_results(doc: str, prefix: str) -> set[str]:
+    """The results paths (relative to benchmarks/results) that doc links, each checked to exist."""
+    cited = set()
+    for target in re.findall(r"\]\(([^)#]+)\)", read(*doc.split("/"))):
+        if not target.startswith(prefix) or "://" in target:
+            continue
+        rel = target[len(prefix):]
+        assert os.path.exists(os.path.join(RESULTS, rel)), f"{doc} links {target}, which is missing"
+        cited.add(rel)
+    return cited
+
+
+def test_every_results_link_resolves_and_every_results_folder_is_cited():
+    folders = results_folders()
+    assert folders and os.path.isfile(os.path.join(RESULTS, "HISTORY.md"))
+    assert not set(folders.values()) & {"archive/archive"}, "archive/ inside archive/"
+    # Every link into the results from the README and every docs page resolves.
+    docs = ["README.md"] + [f"docs/{f}" for f in sorted(os.listdir(os.path.join(ROOT, "docs")))
+                            if f.endswith(".md")]
+    current = set()
+    for doc in docs:
+        for rel in cited_results(doc, "benchmarks/results/" if doc == "README.md" else "results/"):
+            if doc in ("README.md", "docs/performance.md"):
+                current.add(rel.split("/")[0])
+    # HISTORY.md lists every folder, top level and archived, by its path.
+    history = {rel.rsplit("/", 1)[0] if rel.endswith(".md") else rel.rstrip("/")
+               for rel in cited_results("benchmarks/results/HISTORY.md", "")}
+    missing = set(folders.values()) - history
+    assert not missing, f"results folders HISTORY.md does not list: {sorted(missing)}"
+    # The top level holds exactly the runs the README and the performance page cite: what is no
+    # longer cited there belongs in archive/.
+    top = {d for d, path in folders.items() if path == d}
+    assert top <= current, f"top level, not cited by README or performance.md: {top - current}"
 
 
 def test_every_nav_page_exists_and_every_page_is_in_the_nav():
