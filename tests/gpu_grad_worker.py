@@ -4,7 +4,7 @@ computations each rank can do alone, and training steps.
     python -m jax_moe_comm.launch -n N --oversubscribe -- python tests/gpu_grad_worker.py
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python -m jax_moe_comm.launch -n N \\
         --oversubscribe -- python tests/gpu_grad_worker.py          # command buffers off
-    STAGES=grad scripts/gpu_check.sh     # the same through the GPU check script's generic
+    STAGES=grad scripts/lab/gpu_check.sh     # the same through the GPU check script's generic
                                           # loop over tests/gpu_*_worker.py
 
 The reference backend cannot run here with several ranks on one GPU (NCCL refuses), so each

@@ -1,4 +1,4 @@
-"""scripts/diag_trees.py's edits still apply to today's kernels: each variant's text is found
+"""scripts/lab/diag_trees.py's edits still apply to today's kernels: each variant's text is found
 once, or the script stops (a tree whose code moved would time something else)."""
 
 import importlib.util
@@ -12,7 +12,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 def load():
     spec = importlib.util.spec_from_file_location(
-        "diag_trees", os.path.join(ROOT, "scripts", "diag_trees.py"))
+        "diag_trees", os.path.join(ROOT, "scripts", "lab", "diag_trees.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,6 +1,6 @@
 """The device-call helper scripts, run here on fake outputs (they run on the GPU machine once a
-session, where a mistake costs device time): scripts/gpu_pack.sh keeps what a call must bring
-back within the 8-file limit, scripts/gpu_bisect.sh writes its table even when nothing ran."""
+session, where a mistake costs device time): scripts/lab/gpu_pack.sh keeps what a call must bring
+back within the 8-file limit, scripts/lab/gpu_bisect.sh writes its table even when nothing ran."""
 
 import os
 import shutil
@@ -11,7 +11,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 def run(script, *args, out, **env):
-    return subprocess.run(["bash", os.path.join(ROOT, "scripts", script), *args],
+    return subprocess.run(["bash", os.path.join(ROOT, "scripts", "lab", script), *args],
                           capture_output=True, text=True, timeout=60, check=False,
                           env={**os.environ, "OUT": str(out), **env}, cwd=ROOT)
 

@@ -1,4 +1,4 @@
-"""The decode kernels' machine code stays small (scripts/sass_size.py says why: at 1-16 tokens
+"""The decode kernels' machine code stays small (scripts/lab/sass_size.py says why: at 1-16 tokens
 code size is on the critical path; the error paths moved out of line, with a clock-read
 change worth 0.2-0.5 µs, made every such cycle 2.0-4.6 µs faster on an H100, 2026-12-06). A
 change that grows the fused direct kernels past these budgets must show by one clock that it
@@ -21,7 +21,7 @@ BUDGETS = {"dispatch_kernelILj0EE": 3300, "combine_kernelI13__nv_bfloat16Lj0EE":
 
 def load():
     spec = importlib.util.spec_from_file_location(
-        "sass_size", os.path.join(ROOT, "scripts", "sass_size.py"))
+        "sass_size", os.path.join(ROOT, "scripts", "lab", "sass_size.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -5,11 +5,11 @@
 # then a per-cycle sanity run of the loop benchmark (LOOP=tokens). Logs in $OUT (<= 8 files
 # come back). STEPS picks steps by name (the case list below: also the soak, the sanitizers and
 # the server suite with command buffers off).
-#   GIT_COMMIT=abc1234 bash scripts/gpu_final.sh
-#   GIT_COMMIT=abc1234 STEPS="server_n2 soak_n2 memcheck_n2" BUDGET=500 bash scripts/gpu_final.sh
+#   GIT_COMMIT=abc1234 bash scripts/lab/gpu_final.sh
+#   GIT_COMMIT=abc1234 STEPS="server_n2 soak_n2 memcheck_n2" BUDGET=500 bash scripts/lab/gpu_final.sh
 # Issue 24's figures (the layer step against its floor at 8 ranks, and the grouped-GEMM
 # diagnosis on one process; tokamax from the wheels in .whl/, carried with the tree):
-#   GIT_COMMIT=abc1234 STEPS="layer_n8 gemm_n1" BUDGET=560 bash scripts/gpu_final.sh
+#   GIT_COMMIT=abc1234 STEPS="layer_n8 gemm_n1" BUDGET=560 bash scripts/lab/gpu_final.sh
 #   -> $OUT/layer_n8.{json,md,png}, $OUT/gemm.{json,md}, summary.txt, final_logs.tgz
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_logs}; mkdir -p "$OUT"
@@ -55,7 +55,7 @@ tokamax_site() {  # tokamax and what it needs, carried as wheels in .whl/ (no re
 }
 echo "== commit ${GIT_COMMIT:?set GIT_COMMIT}, $(date -u +%FT%TZ)"
 # SKIP_BUILD=1: a caller (gpu_layer_headline.sh) built this tree already
-[ "${SKIP_BUILD:-0}" = 1 ] || bash "$ROOT/scripts/gpu_build.sh" || exit 1
+[ "${SKIP_BUILD:-0}" = 1 ] || bash "$ROOT/scripts/lab/gpu_build.sh" || exit 1
 cd /tmp
 # STEPS picks and orders the steps (default: the list below without the soak and sanitizers).
 STEPS=${STEPS:-suite_n2 server_n2 server_n8 suite_n8 protocol_n4 flax_n8 parity_n2 decode_n8}
@@ -136,7 +136,7 @@ for s in $STEPS; do
 done
 cd "$ROOT"
 if [ -n "${LOOP:-}" ] && [ $(( BUDGET - $(date +%s) + START )) -gt 60 ]; then
-  TOKENS=${LOOP} bash scripts/gpu_loop.sh > "$LOGS/loop.log" 2>&1
+  TOKENS=${LOOP} bash scripts/lab/gpu_loop.sh > "$LOGS/loop.log" 2>&1
   grep "graph " "$LOGS/loop.log" | head -12
   cp /tmp/w/loop_ours.json "$OUT/" 2>/dev/null
 fi

@@ -3,9 +3,9 @@
 # tokamax and what it needs that the device's image lacks, as wheels for its Python 3.12.
 # gpu_final.sh installs them there into /tmp/site. A new checkout has no .whl/: run this
 # before the first device call that times tokamax (~37 MB; the carry limit is 64 MiB in all).
-#   bash scripts/fetch_wheels.sh
+#   bash scripts/lab/fetch_wheels.sh
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 mkdir -p "$ROOT/.whl"
 # tokamax 0.0.17's Requires-Dist (its METADATA) less what the image has (jax, jaxlib,
 # jaxtyping, absl-py, tqdm: the device machine's package list), and pydantic's own needs;

@@ -1,9 +1,9 @@
 """Diagnostic trees for issue 23: a commit's source with one fixed cost taken out, to time by
-removal what a 1-token cycle spends on it (scripts/gpu_bisect.sh times each tree).
+removal what a 1-token cycle spends on it (scripts/lab/gpu_bisect.sh times each tree).
 
-    python scripts/diag_trees.py d2745f9      # -> .old/d2745f9, .old/diag-{gpu,noack,...}
+    python scripts/lab/diag_trees.py d2745f9      # -> .old/d2745f9, .old/diag-{gpu,noack,...}
     COMMITS="d2745f9 diag-gpu diag-noack diag-notimer diag-all" TOKENS=1,4 \
-      bash scripts/gpu_bisect.sh             # on the device, .old carried
+      bash scripts/lab/gpu_bisect.sh             # on the device, .old carried
 
 These trees are measurements, never code to merge: each is wrong somewhere else.
 - diag-gpu: every flag load/store of ours at GPU scope instead of system scope. Correct with
@@ -11,7 +11,7 @@ These trees are measurements, never code to merge: each is wrong somewhere else.
 - diag-noack: no acknowledgements (not waited by the sends, not published by the recvs).
   Safe in bench_loop's lockstep cycles only. diag-nodack and diag-nocack: the dispatch half's
   or the combine half's alone (diag-nocack bounds what implicit combine acknowledgements,
-  docs/notes.md, could give: they drop exactly those, and add an order check at launch).
+  docs/design-decisions.md, could give: they drop exactly those, and add an order check at launch).
 - diag-notimer: no %globaltimer read in a wait (before 2026-12-06 evening each kernel body read
   it for its deadline and each poll checked it: 1.5-1.8 µs per 1-token cycle; now a wait reads
   it every 16 polls, protocol.cuh).
@@ -30,7 +30,7 @@ import shutil
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def sub(tree: str, path: str, old: str, new: str) -> None:

@@ -2,7 +2,7 @@
 # At most 8 files (2 folders down) come back from a device call's $OUT: keep the files that
 # match the given patterns (paths relative to $OUT, shell globs; at most 7 files in all) and
 # put every other file into $OUT/rest.tgz.
-#   bash scripts/gpu_pack.sh summary.txt 'layer_n8.*' bisect.md
+#   bash scripts/lab/gpu_pack.sh summary.txt 'layer_n8.*' bisect.md
 set -euo pipefail
 cd "${OUT:?set OUT}"
 rest=()

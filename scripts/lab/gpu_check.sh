@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build on the GPU machine and run the GPU suites (and optionally the benchmark) in one go.
 #   STAGES="suite protocol protocol_full exit nocmdbuf grad_nocmdbuf sanitizer grad layout server \
-#           demo decode bench" bash scripts/gpu_check.sh
+#           demo decode bench" bash scripts/lab/gpu_check.sh
 # Defaults: every stage but decode and bench. RANKS (default "1 2 4 8") for the suites, QUICK=1 for the
 # short versions, BENCH_ARGS for the benchmark. Logs go to $OUT (or ./gpu_logs). Uses the
 # machine's python3 and its jax/nanobind/nvshmem.
@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 $PY -c "import jax, nvidia.nvshmem as n; print('jax', jax.__version__, 'nvshmem at', list(n.__path__)[0])"
 
 echo "== build"
-bash "$ROOT/scripts/gpu_build.sh" || exit 1
+bash "$ROOT/scripts/lab/gpu_build.sh" || exit 1
 cd /tmp  # import the installed package, not the source tree
 $PY -c "import jax_moe_comm.native as n; print('native:', n.unavailable_reason() or 'available')"
 

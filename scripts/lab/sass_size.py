@@ -1,8 +1,8 @@
 """Machine-code size of each kernel of a .cu file: SASS instructions per function, from the
 .text sections of the cubin nvcc makes (no cuobjdump needed).
 
-    .venv/bin/python scripts/sass_size.py csrc/kernels/fused.cu            # sm_90
-    .venv/bin/python scripts/sass_size.py --arch 100 csrc/kernels/fused.cu
+    .venv/bin/python scripts/lab/sass_size.py csrc/kernels/fused.cu            # sm_90
+    .venv/bin/python scripts/lab/sass_size.py --arch 100 csrc/kernels/fused.cu
 
 Why (issue 23, 2026-12-06 evening): at decode sizes a kernel's code size is on the critical
 path. Every launch of a one-block kernel lands on an SM whose instruction caches hold other

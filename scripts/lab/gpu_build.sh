@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build and install the package with the GPU machine's own python3 (no registry there).
-#   bash scripts/gpu_build.sh                       # this checkout, into the environment
+#   bash scripts/lab/gpu_build.sh                       # this checkout, into the environment
 #   SRC=.old TARGET=/tmp/oldsite BUILD_DIR=/tmp/jmc_old LOG=/tmp/w/old_build.log \
-#     bash scripts/gpu_build.sh                     # an older tree beside it (PYTHONPATH=TARGET)
+#     bash scripts/lab/gpu_build.sh                     # an older tree beside it (PYTHONPATH=TARGET)
 set -euo pipefail
 OUT=${OUT:-$PWD/gpu_logs}; LOG=${LOG:-${LOGS:-$OUT}/build.log}; mkdir -p "$(dirname "$LOG")"
 PY=${PYTHON:-python3}

@@ -3,7 +3,7 @@
 # pplx-kernels' (shared/peer/loop_pplx.py) by one clock, optionally an older build of ours, then
 # benchmarks/loop_compare.py. 8 ranks on GPU 0 under MPS.
 #   GIT_COMMIT=abc1234 PEER=.peer [OLD_SRC=.old OLD_COMMIT=8a9226e] [TOKENS=1,4,16,32,64,128] \
-#     [LOOP_ARGS="--reps 5"] bash scripts/gpu_loop.sh
+#     [LOOP_ARGS="--reps 5"] bash scripts/lab/gpu_loop.sh
 # PEER: a copy of shared/peer (an ignored folder, carried); OLD_SRC: an unpacked `git archive`
 # of the older commit (it must have bench_loop.py). Work files in /tmp/w, the <= 8 that matter
 # copied to $OUT at the end (the device returns at most 8 files).
@@ -17,7 +17,7 @@ KS=${KS:-1,10,50}
 export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0
 quiet() { grep -v "grpc\|GRPC\|WatchTasks\|^\[rank [0-9]\] *$\|Connection refused\|proxy variable"; }
 
-LOGS=$W bash "$ROOT/scripts/gpu_build.sh" || exit 1
+LOGS=$W bash "$ROOT/scripts/lab/gpu_build.sh" || exit 1
 cd /tmp
 echo "== ours (${GIT_COMMIT:?set GIT_COMMIT})"
 timeout 450 $PY -m jax_moe_comm.launch -n 8 --oversubscribe --timeout 440 -- \
@@ -26,7 +26,7 @@ timeout 450 $PY -m jax_moe_comm.launch -n 8 --oversubscribe --timeout 440 -- \
 if [ -n "${OLD_SRC:-}" ]; then
   echo "== ours at ${OLD_COMMIT:-old}"
   SRC="$ROOT/$OLD_SRC" TARGET=/tmp/oldsite BUILD_DIR=/tmp/jmc_old LOG="$W/old_build.log" \
-    bash "$ROOT/scripts/gpu_build.sh" || exit 1
+    bash "$ROOT/scripts/lab/gpu_build.sh" || exit 1
   PYTHONPATH=/tmp/oldsite GIT_COMMIT=${OLD_COMMIT:-old} timeout 450 $PY -m jax_moe_comm.launch \
     -n 8 --oversubscribe --timeout 440 -- $PY "$ROOT/$OLD_SRC/benchmarks/bench_loop.py" \
     --out "$W/loop_old.json" --tokens "$TOKENS" --ks "$KS" --calls 0 --timeline 0 \

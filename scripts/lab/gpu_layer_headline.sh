@@ -5,11 +5,11 @@
 # are spent (a part that would start later is skipped and says so); every file that matters
 # is copied to $OUT at the end (at most 8 come back; the rest goes into rest.tgz).
 #   GIT_COMMIT=abc1234 PEER=.peer [PARTS="suites loop pplx layer peer"] [TOKENS=1,4,16,32,64,128]
-#     [LAYER_TOKENS=1,4,16,128] [BUDGET=540] [LAYER_BUDGET=s] bash scripts/gpu_layer_headline.sh
+#     [LAYER_TOKENS=1,4,16,128] [BUDGET=540] [LAYER_BUDGET=s] bash scripts/lab/gpu_layer_headline.sh
 # LAYER_BUDGET caps the seconds our layer may take (else all but 40 of what is left), so that
 # the peer part after it still runs.
 # PEER: a copy of shared/peer (an ignored folder, carried); tokamax comes from .whl/ (carried;
-# scripts/fetch_wheels.sh fills it).
+# scripts/lab/fetch_wheels.sh fills it).
 # Parts:
 #   suites  the layout, suite and protocol workers at 8 ranks (gpu_final.sh's steps, no rebuild)
 #   loop    bench_loop --variants graph for the layouts of LAYOUTS (default: packed, padded,
@@ -40,7 +40,7 @@ part() {
 L8() { echo "$PY -m jax_moe_comm.launch -n 8 --oversubscribe --timeout $1 --"; }
 
 echo "== commit ${GIT_COMMIT:?set GIT_COMMIT}, $(date -u +%FT%TZ), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee "$W/summary.txt"
-LOGS=$W bash "$ROOT/scripts/gpu_build.sh" | tee -a "$W/summary.txt" || exit 1
+LOGS=$W bash "$ROOT/scripts/lab/gpu_build.sh" | tee -a "$W/summary.txt" || exit 1
 TK_SITE=/tmp/site
 if [ -d "$ROOT/.whl" ] && [ ! -d "$TK_SITE/tokamax" ]; then
   $PY -m pip install -q --no-index --no-deps --target "$TK_SITE" "$ROOT"/.whl/*.whl > "$W/whl.log" 2>&1 \
@@ -50,7 +50,7 @@ TKP="$TK_SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 if part suites 120; then
   SKIP_BUILD=1 STEPS=${SUITE_STEPS:-"layout_n8 suite_n8 protocol_n8"} BUDGET=$(( $(left) - 300 > 120 ? $(left) - 300 : 120 )) \
-    OUT=$W/suites bash "$ROOT/scripts/gpu_final.sh" > "$W/suites.log" 2>&1
+    OUT=$W/suites bash "$ROOT/scripts/lab/gpu_final.sh" > "$W/suites.log" 2>&1
   grep -E "^-- |SUITE|FAIL" "$W/suites.log" | head -30 | tee -a "$W/summary.txt"
 fi
 cd /tmp
@@ -105,5 +105,5 @@ echo "== done in $(( $(date +%s) - START )) s" | tee -a "$W/summary.txt"
 cp "$W"/summary.txt "$W"/loop_*.json "$W"/layer_*.json "$W"/*compare.md "$W"/*compare.png "$OUT"/ 2>/dev/null
 mkdir -p "$W/logs"; cp "$W"/*.log "$W/logs/" 2>/dev/null; cp -r "$W/suites" "$W/logs/" 2>/dev/null
 tar czf "$OUT/logs.tgz" -C "$W" logs
-OUT=$OUT bash "$ROOT/scripts/gpu_pack.sh" summary.txt 'loop_packed.json' 'loop_padded.json' \
+OUT=$OUT bash "$ROOT/scripts/lab/gpu_pack.sh" summary.txt 'loop_packed.json' 'loop_padded.json' \
   'loop_pplx.json' 'layer_ours.json' 'layer_pplx.json' 'loop_compare.md'

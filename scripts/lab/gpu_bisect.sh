@@ -5,10 +5,10 @@
 # own site directory, and timed by its own bench_loop.py (K cycles in one recorded graph, CUDA
 # events, slope; 8 ranks under MPS); the table follows, one column per commit.
 #   for c in 505b95c 5228dcc f97726a; do mkdir -p .old/$c && git archive $c | tar x -C .old/$c; done
-#   COMMITS="505b95c 5228dcc f97726a" TOKENS=1,16 bash scripts/gpu_bisect.sh
+#   COMMITS="505b95c 5228dcc f97726a" TOKENS=1,16 bash scripts/lab/gpu_bisect.sh
 # An entry <commit>+VAR=value[+VAR=value] times the same tree again with those environment
 # settings (built once), e.g. a knob's A/B in the same call:
-#   COMMITS="d2745f9 d2745f9+JMC_FUSED=always" TOKENS=1,4,16 bash scripts/gpu_bisect.sh
+#   COMMITS="d2745f9 d2745f9+JMC_FUSED=always" TOKENS=1,4,16 bash scripts/lab/gpu_bisect.sh
 # A setting nothing reads repeats an entry (A B A B, to see the run's own drift; 2026-12-06):
 #   COMMITS="$H other+JMC_ACKS=implicit $H+X=1 other+JMC_ACKS=implicit+X=1" ...
 # VARIANTS=graph,floor-barrier-2calls adds bench_loop's floor rows to each entry's JSON (the
@@ -50,7 +50,7 @@ for c in ${COMMITS:?set COMMITS (each unpacked in .old/<commit>)}; do
   [ -d "$ROOT/.old/$tree" ] || { echo "-- $c: no .old/$tree"; continue; }
   if [ ! -f "/tmp/site_$tree/.jmc_built" ]; then  # (a failed build leaves no mark)
     SRC="$ROOT/.old/$tree" TARGET="/tmp/site_$tree" BUILD_DIR="/tmp/jmc_$tree" \
-      LOG="$W/build_$tree.log" bash "$ROOT/scripts/gpu_build.sh" \
+      LOG="$W/build_$tree.log" bash "$ROOT/scripts/lab/gpu_build.sh" \
       || { echo "-- $c: build failed"; continue; }
     mkdir -p "/tmp/site_$tree" && touch "/tmp/site_$tree/.jmc_built"
   fi
