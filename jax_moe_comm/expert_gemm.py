@@ -58,11 +58,11 @@ from .api import pack_rows, unpack_rows
 OPTIONS = ("auto", "einsum", "ragged_dot", "tokamax", "masked")
 # What "auto" runs on a GPU, per layout: the fastest option that benchmarks/bench_layer.py and
 # bench_gemm.py measured right on the H200 (change it here). Measured 2026-12-05
-# (benchmarks/results/2026-12-05-47804d0-layer/, tokamax 0.0.17, jax 0.11.2): the layer step on
-# packed rows with tokamax is 1.3-6x faster than the padded einsum at 128 tokens and at 1 token
-# at R1 (it skips experts with no rows); tokamax's forward is right everywhere, its own weight
-# gradients were not, so "tokamax" differentiates through grouped_vjp. The padded layout keeps
-# the batched einsum (cuBLAS; fastest there with an expert_capacity).
+# (benchmarks/results/archive/2026-12-05-47804d0-layer/, tokamax 0.0.17, jax 0.11.2): the layer
+# step on packed rows with tokamax is 1.3-6x faster than the padded einsum at 128 tokens and
+# at 1 token at R1 (it skips experts with no rows); tokamax's forward is right everywhere, its
+# own weight gradients were not, so "tokamax" differentiates through grouped_vjp. The padded
+# layout keeps the batched einsum (cuBLAS; fastest there with an expert_capacity).
 GPU_AUTO = {"packed": "tokamax", "padded": "einsum"}
 # XLA:CPU expands ragged_dot densely (L x the FLOPs) and tokamax has no CPU kernel: the padded
 # einsum computes min(k, L) x fewer rows there.
@@ -447,8 +447,8 @@ def tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype=f32, implementation=None,
                 grad_window: int | None = None, wgrad: str = "windows",
                 mean_rows: int | None = None, gated: bool = False):
     """"tokamax": packed x [T, H] -> [T, H] through tokamax's grouped GEMM; rows past
-    sum(group_sizes) are undefined. Weights as einsum_mlp's (gated: w_in [L, H, 2F]). implementation: tokamax's (TOKAMAX_OWN_CHOICE: its own
-    choice); None: JMC_TOKAMAX_IMPL if set, else the tile for mean_rows, the expected rows per
+    sum(group_sizes) are undefined. Weights as einsum_mlp's (gated: w_in [L, H, 2F]).
+    implementation: tokamax's (TOKAMAX_OWN_CHOICE: its own choice); None: JMC_TOKAMAX_IMPL if set, else the tile for mean_rows, the expected rows per
     local expert (layer_tokamax_spec; None: tokamax's own choice).
     Differentiable through grouped_vjp (not tokamax's own VJP, whose weight gradients were
     wrong on the H200): grad_window rows per expert in the weight gradients' batched GEMM
