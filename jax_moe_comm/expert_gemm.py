@@ -443,16 +443,32 @@ def grad_window_for(rows: int, num_local_experts: int, mean_rows: int | None = N
     return min(rows, max(MIN_GRAD_WINDOW, -(-2 * mean // 8) * 8))
 
 
+# wgrad options whose weight gradients were measured wrong with tokamax's kernel (its
+# ragged-contracting dot: 0.45-0.67 relative error past 128 rows, docs/design-decisions.md):
+# kept to measure the kernel again, refused unless the caller says it knows.
+KNOWN_WRONG_TOKAMAX_WGRAD = ("kernel",)
+
+
 def tokamax_mlp(x, group_sizes, w_in, w_out, out_dtype=f32, implementation=None,
                 grad_window: int | None = None, wgrad: str = "windows",
-                mean_rows: int | None = None, gated: bool = False):
+                mean_rows: int | None = None, gated: bool = False,
+                allow_known_wrong: bool = False):
     """"tokamax": packed x [T, H] -> [T, H] through tokamax's grouped GEMM; rows past
     sum(group_sizes) are undefined. Weights as einsum_mlp's (gated: w_in [L, H, 2F]).
-    implementation: tokamax's (TOKAMAX_OWN_CHOICE: its own choice); None: JMC_TOKAMAX_IMPL if set, else the tile for mean_rows, the expected rows per
-    local expert (layer_tokamax_spec; None: tokamax's own choice).
+    implementation: tokamax's (TOKAMAX_OWN_CHOICE: its own choice); None: JMC_TOKAMAX_IMPL if
+    set, else the tile for mean_rows, the expected rows per local expert (layer_tokamax_spec;
+    None: tokamax's own choice).
     Differentiable through grouped_vjp (not tokamax's own VJP, whose weight gradients were
     wrong on the H200): grad_window rows per expert in the weight gradients' batched GEMM
-    (default grad_window_for), wgrad: grouped_vjp.WGRAD."""
+    (default grad_window_for), wgrad: grouped_vjp.WGRAD; one of KNOWN_WRONG_TOKAMAX_WGRAD
+    only with allow_known_wrong=True (a benchmark measuring it)."""
+    if wgrad not in grouped_vjp.WGRAD:
+        raise ValueError(f"wgrad={wgrad!r}: one of {grouped_vjp.WGRAD}")
+    if wgrad in KNOWN_WRONG_TOKAMAX_WGRAD and not allow_known_wrong:
+        raise ValueError(
+            f"wgrad={wgrad!r}: tokamax's ragged-contracting kernel gave weight gradients "
+            "0.45-0.67 wrong past 128 rows on the H200; the default 'windows' is right. "
+            "Pass allow_known_wrong=True only to measure that kernel.")
     window = grad_window or grad_window_for(x.shape[0], w_in.shape[0])
     if window < 1:
         raise ValueError(f"grad_window={grad_window}: rows per expert must be >= 1")

@@ -176,6 +176,26 @@ def test_tokamax_wiring_on_a_stand_in(layout, reference, monkeypatch):
     assert stand_in.activations == [None if gated else jax.nn.silu, None], stand_in.activations
 
 
+def test_the_weight_gradient_measured_wrong_needs_the_opt_in(monkeypatch):
+    monkeypatch.setattr(expert_gemm, "_tokamax", lambda: (StandInTokamax(), None))
+    expert_gemm._tokamax_dot.cache_clear()
+    x, w_in, w_out, _, live = padded_data()
+    args = (to_packed(x, live), jnp.asarray(COUNTS), w_in, w_out)
+    try:
+        for wgrad in expert_gemm.KNOWN_WRONG_TOKAMAX_WGRAD:
+            with pytest.raises(ValueError, match="allow_known_wrong=True"):
+                expert_gemm.tokamax_mlp(*args, wgrad=wgrad)
+            measured = expert_gemm.tokamax_mlp(*args, wgrad=wgrad, allow_known_wrong=True)
+            default = expert_gemm.tokamax_mlp(*args)
+            rows = int(np.sum(COUNTS))
+            np.testing.assert_array_equal(np.asarray(measured)[:rows],
+                                          np.asarray(default)[:rows])
+        with pytest.raises(ValueError, match="wgrad='kern': one of"):
+            expert_gemm.tokamax_mlp(*args, wgrad="kern")
+    finally:
+        expert_gemm._tokamax_dot.cache_clear()
+
+
 def test_bad_option_names_raise_listing_the_choices():
     for bad in ("cublas", "", "Tokamax"):
         with pytest.raises(ValueError, match="expected one of .*'einsum'.*'tokamax'.*'masked'"):
