@@ -156,7 +156,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jax_moe_comm import expert_gemm as G  # noqa: E402
-from jax_moe_comm.api import pack_rows, unpack_rows  # noqa: E402
+from jax_moe_comm.layout import pack_rows, unpack_rows  # noqa: E402
 
 bf16, f32 = jnp.bfloat16, jnp.float32
 T0 = time.perf_counter()

@@ -28,9 +28,9 @@ projection, y = (silu(x @ gate) * (x @ up)) @ w_out[e] (activation.py). The MoE 
   mean rows per expert, the tile measured fastest for them (TOKAMAX_TILE_BY_MEAN_ROWS, on sm90
   GPUs only); else tokamax's own choice (also JMC_TOKAMAX_IMPL=default).
 - "masked": the padded layout with rows >= expert_num_tokens[e] skipped. Not a kernel of its
-  own: the live rows are gathered into a packed view (api.pack_rows), run through tokamax's
+  own: the live rows are gathered into a packed view (layout.pack_rows), run through tokamax's
   grouped GEMM (jax.lax.ragged_dot when tokamax is not installed) and scattered back
-  (api.unpack_rows). Padded in, padded out (zero past the counts): the FLOPs of the live rows
+  (layout.unpack_rows). Padded in, padded out (zero past the counts): the FLOPs of the live rows
   plus one gather and one scatter of them.
 - "auto": the fastest measured option on the platform and layout: GPU_AUTO on a GPU ("tokamax"
   on packed rows, "einsum" on padded ones; "einsum" when tokamax does not import), CPU_AUTO
@@ -53,7 +53,7 @@ import jax.numpy as jnp
 
 from . import activation as act
 from . import grouped_vjp
-from .api import pack_rows, unpack_rows
+from .layout import pack_rows, unpack_rows
 
 OPTIONS = ("auto", "einsum", "ragged_dot", "tokamax", "masked")
 # What "auto" runs on a GPU, per layout: the fastest option that benchmarks/bench_layer.py and

@@ -9,8 +9,9 @@ import pytest
 
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_moe_comm import AllToAll, MoEConfig, api
+from jax_moe_comm import AllToAll, MoEConfig
 from jax_moe_comm import testing as T
+from jax_moe_comm.layout import pack_rows, unpack_rows
 from jax_moe_comm.moe import MoELayerConfig, dense_forward, init_params, moe_forward
 
 bf16, fp8 = jnp.bfloat16, jnp.float8_e4m3fn
@@ -115,10 +116,10 @@ def test_pack_unpack_round_trip():
     L, R, H, total = 3, 5, 4, 9
     padded = jnp.asarray(rng.standard_normal((L, R, H)), jnp.float32)
     counts = jnp.array([2, 0, 4], jnp.int32)
-    packed = api.pack_rows(padded, counts, total)
+    packed = pack_rows(padded, counts, total)
     want = np.concatenate([padded[0, :2], padded[2, :4], np.zeros((3, H))])
     np.testing.assert_array_equal(packed, want)
-    back = api.unpack_rows(packed, counts, R)
+    back = unpack_rows(packed, counts, R)
     mask = (np.arange(R)[None, :] < np.asarray(counts)[:, None])[..., None]
     np.testing.assert_array_equal(back, np.where(mask, padded, 0))
 
