@@ -28,9 +28,10 @@ have_bazel=yes
 if ! command -v bazel >/dev/null || [ ! -d "$MOCKS/rules_cc" ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "bazel_check: installing bazel-bootstrap bazel-bootstrap-source with apt"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bazel-bootstrap \
-      bazel-bootstrap-source >/dev/null
+    # one apt at a time: .ci/run sets the newest-jax folder up beside this (the same lock)
+    flock /tmp/jax_moe_comm-apt.lock sh -c 'apt-get update -qq &&
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bazel-bootstrap \
+        bazel-bootstrap-source >/dev/null'
   else
     have_bazel=no
   fi
