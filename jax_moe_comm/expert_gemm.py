@@ -444,8 +444,8 @@ def grad_window_for(rows: int, num_local_experts: int, mean_rows: int | None = N
 
 
 # wgrad options whose weight gradients were measured wrong with tokamax's kernel (its
-# ragged-contracting dot: 0.45-0.67 relative error past 128 rows, docs/design-decisions.md):
-# kept to measure the kernel again, refused unless the caller says it knows.
+# ragged-contracting dot, docs/design-decisions.md): kept to measure the kernel again, refused
+# unless the caller says it knows.
 KNOWN_WRONG_TOKAMAX_WGRAD = ("kernel",)
 
 

@@ -30,9 +30,9 @@ def quantize(x):
     m, H = x.shape
     blocks = x.astype(jnp.float32).reshape(m, H // SCALE_BLOCK, SCALE_BLOCK)
     # A multiply by the f32 constant 1/448, not a division by 448: XLA rewrites a division by
-    # a constant as this multiply inside some fusions and not in others (jax 0.12.1 on CPU:
-    # 73 of 128 block scales one ulp apart between the eager and the jitted quantize), and
-    # the oracle and the layer must quantize to the same bits.
+    # a constant as this multiply inside some fusions and not in others (jax 0.12's CPU
+    # backend), so a division gives eager and jitted callers scales an ulp apart, and the
+    # oracle and the layer must quantize to the same bits.
     scale = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), 1e-12) * INV_FP8_MAX
     q = round_to_e4m3(blocks / scale[..., None]).reshape(m, H).astype(jnp.float8_e4m3fn)
     return q, scale
