@@ -59,7 +59,8 @@ echo "== commit ${GIT_COMMIT:?set GIT_COMMIT}, $(date -u +%FT%TZ)"
 cd /tmp
 # STEPS picks and orders the steps (default: the list below without the soak and sanitizers).
 STEPS=${STEPS:-suite_n2 server_n2 server_n8 suite_n8 protocol_n4 flax_n8 parity_n2 decode_n8}
-SAN="compute-sanitizer --print-limit 20 --tool"
+# --error-exitcode: a finding fails the step (its rc), not only its summary line
+SAN="compute-sanitizer --error-exitcode 1 --print-limit 20 --tool"
 # A step is <what>_n<ranks>[_nocmdbuf][@<JMC_TRANSPORT>], e.g. suite_n8@staged,
 # server_n8_nocmdbuf, protocol_n4@staged:2 (issue 25): _nocmdbuf turns XLA's command buffers
 # off, @... sets JMC_TRANSPORT for every rank.
