@@ -10,7 +10,9 @@ on CPU JAX_PLATFORMS=cpu and JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo. So a scrip
 JAX_MOE_COMM_{COORDINATOR,NUM_PROCESSES,PROCESS_ID}. Output lines are prefixed with the rank;
 the gRPC messages JAX logs when its coordination client shuts down are dropped (--show-grpc).
 If one rank fails or the timeout passes, the others are sent SIGTERM, then SIGKILL, and the
-launcher exits non-zero.
+launcher exits non-zero. --keep-going lets the others run on after a rank fails (what survivors
+of a dead process see: examples/serve_decode.py --kill-at); the exit code is then the first
+failing rank's.
 """
 
 from __future__ import annotations
@@ -131,8 +133,9 @@ def _stop_all(procs, grace_s: float = 5.0):
 
 def run(num_processes: int, cmd: list[str], *, oversubscribe: bool = False,
         timeout_s: float = 600.0, platform: str = "auto", out=sys.stdout,
-        show_grpc: bool = False) -> int:
-    """Run `cmd` N times; returns 0 when every rank exited 0."""
+        show_grpc: bool = False, keep_going: bool = False) -> int:
+    """Run `cmd` N times; returns 0 when every rank exited 0. keep_going: a failed rank does
+    not stop the others (they still end at the timeout)."""
     if num_processes < 1:
         raise ValueError(f"-n {num_processes}: need at least one process")
     if not cmd:
@@ -185,13 +188,17 @@ def run(num_processes: int, cmd: list[str], *, oversubscribe: bool = False,
             t.start()
             pumps.append(t)
         deadline = time.time() + timeout_s
+        failures = []  # (rank, code) in the order the launcher saw them exit
         while True:
             codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                rank, code = failed[0]
-                out.write(f"[launch] rank {rank} exited with {code}; stopping the others\n")
+            for rank, code in enumerate(codes):
+                if code not in (None, 0) and rank not in (r for r, _ in failures):
+                    failures.append((rank, code))
+                    then = "the others run on" if keep_going else "stopping the others"
+                    out.write(f"[launch] rank {rank} exited with {code}; {then}\n")
+            if failures and (not keep_going or all(c is not None for c in codes)):
                 _stop_all(procs)
+                code = failures[0][1]
                 return code if code > 0 else 1
             if all(c == 0 for c in codes):
                 return 0
@@ -227,9 +234,13 @@ def main(argv=None) -> int:
     parser.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto")
     parser.add_argument("--show-grpc", action="store_true",
                         help="keep the gRPC WatchTasks messages JAX logs at shutdown")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="a rank that fails does not stop the others; exit code: the "
+                        "first failing rank's")
     args = parser.parse_args(argv[:split])
     return run(args.num_processes, argv[split + 1:], oversubscribe=args.oversubscribe,
-               timeout_s=args.timeout, platform=args.platform, show_grpc=args.show_grpc)
+               timeout_s=args.timeout, platform=args.platform, show_grpc=args.show_grpc,
+               keep_going=args.keep_going)
 
 
 if __name__ == "__main__":

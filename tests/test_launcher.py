@@ -40,6 +40,18 @@ def test_failing_rank_stops_the_others():
     assert "rank 1 exited with 3; stopping the others" in r.stdout
 
 
+def test_keep_going_lets_the_others_finish():
+    # A survivor of a dead rank still reports and exits on its own (serve_decode --kill-at).
+    code = ("import os, sys, time; r = int(os.environ['JAX_MOE_COMM_PROCESS_ID']); "
+            "sys.exit(3) if r == 1 else (time.sleep(1.5), print('survived', r, flush=True))")
+    r = launch("-n", "3", "--platform", "cpu", "--keep-going", "--", sys.executable, "-c",
+               code, timeout=60)
+    assert r.returncode == 3
+    assert "rank 1 exited with 3; the others run on" in r.stdout
+    for rank in (0, 2):
+        assert f"[rank {rank}] survived {rank}" in r.stdout, r.stdout
+
+
 def test_timeout_kills_every_rank():
     r = launch("-n", "2", "--platform", "cpu", "--timeout", "2", "--", sys.executable, "-c",
                "import time; time.sleep(120)", timeout=60)
