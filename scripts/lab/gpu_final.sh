@@ -32,16 +32,35 @@ BUDGET=${BUDGET:-400}  # seconds: a step that would start later is skipped (the 
 step() {  # name, limit, command...
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s) left=$(( BUDGET - $(date +%s) + START ))
-  if [ "$left" -lt 30 ]; then echo "-- $name skipped: ${left} s of the budget left" | tee -a "$OUT/summary.txt"; return; fi
+  if [ "$left" -lt 30 ]; then
+    echo "-- $name skipped: ${left} s of the budget left" | tee -a "$OUT/summary.txt"
+    gate_line FAIL "$name not run: ${left} s of the budget left"; return
+  fi
   [ "$limit" -gt "$left" ] && limit=$left
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
+  gate_step "$name" "$rc" "$(( $(date +%s) - t0 ))"
   { grep -E "PASS|FAIL|SUITE PASSED|SUITE FAILED|SOAK|per token|latency|logits|ERROR SUMMARY|RACECHECK SUMMARY|us/cycle|graph |ratio |fwd\+bwd|bench_layer:|bench_gemm:" "$LOGS/$name.log" \
       | grep -v "JAX detected proxy" | head -40
     echo "-- $name rc=$rc in $(( $(date +%s) - t0 )) s"; } | tee -a "$OUT/summary.txt"
   tar czf "$OUT/final_logs.tgz" -C /tmp final_logs  # kept as it goes: a cut call keeps it
 }
 left() { echo $(( BUDGET - $(date +%s) + START )); }
+# GATE_FILE (scripts/lab/gpu_gate.sh): one line per step and per sanitizer summary, each
+# starting PASS or FAIL and naming the commit. A step passes when it exits 0; a sanitizer
+# summary line passes when it counts 0 errors or hazards.
+gate_line() { [ -n "${GATE_FILE:-}" ] && echo "$1 $2 @ $GIT_COMMIT" >> "$GATE_FILE"; return 0; }
+gate_step() {  # name, rc, seconds
+  [ -n "${GATE_FILE:-}" ] || return 0
+  local verdict=FAIL; [ "$2" = 0 ] && verdict=PASS
+  gate_line $verdict "$1 rc=$2 in $3 s"
+  grep -hE "^(PASS|FAIL) serve_n" "$LOGS/$1.log" | cut -c1-200 | while read -r line; do
+    gate_line "${line%% *}" "  ${line#* }"; done  # the server example's cases
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGS/$1.log" | sed 's/=* *//' | while read -r line; do
+    if [[ $line =~ SUMMARY:\ 0\ (errors|hazards) ]]; then gate_line PASS "$1 $line"
+    else gate_line FAIL "$1 $line"; fi
+  done
+}
 TK_SITE=/tmp/site
 tokamax_site() {  # tokamax and what it needs, carried as wheels in .whl/ (no registry there)
   if [ -d "$ROOT/.whl" ] && [ ! -d "$TK_SITE/tokamax" ]; then
@@ -92,6 +111,8 @@ for s in $STEPS; do
   flax) step $s 240 "${E[@]}" $(L $n 230) $PY "$ROOT/tests/gpu_flax_worker.py" ${FLAX_ARGS:-} ;;
   layout)  # packed layout, capacity drop/fail (issue 24), NaN weights, the layer on both layouts
     step $s 240 "${E[@]}" $(L $n 230) $PY "$ROOT/tests/gpu_layout_worker.py" --quick ;;
+  serve)  # issue 48: examples/serve_decode.py's faults, the killed rank and the restart
+    step $s 240 "${E[@]}" bash "$ROOT/scripts/lab/serve_cases.sh" $n ;;
   parity) step $s 200 "${E[@]}" $(L $n 190) $PY "$ROOT/tests/gpu_parity_worker.py" ;;
   decode) step $s 240 "${E[@]}" $(L $n 230) $PY "$ROOT/examples/deepseek_decode.py" ${DECODE_ARGS:-} ;;
   layer)  # issue 24: the layer step vs its floor; rows not started within its budget are
