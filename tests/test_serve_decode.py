@@ -75,6 +75,9 @@ def test_a_fault_past_the_last_step_is_refused():
     assert "SERVE" not in out, out
 
 
+# Slow: starts two processes (gloo over TCP), left out of the quick subset as the launcher
+# tests are; the newest-jax leg's chroot has no interface gloo can bind.
+@pytest.mark.slow
 def test_two_processes_agree_on_the_failed_step():
     """Under the launcher (2 CPU processes, gloo): only rank 1's process records the bad
     index, so the ranks agree on each step's poll() through the key-value store and both
