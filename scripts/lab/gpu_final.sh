@@ -54,8 +54,9 @@ gate_step() {  # name, rc, seconds
   [ -n "${GATE_FILE:-}" ] || return 0
   local verdict=FAIL; [ "$2" = 0 ] && verdict=PASS
   gate_line $verdict "$1 rc=$2 in $3 s"
-  grep -hE "^(PASS|FAIL) serve_n" "$LOGS/$1.log" | cut -c1-200 | while read -r line; do
-    gate_line "${line%% *}" "  ${line#* }"; done  # the server example's cases
+  # a step's own unprefixed case lines (serve_cases.sh's); the workers' are "[rank r] PASS ..."
+  grep -hE "^(PASS|FAIL) " "$LOGS/$1.log" | cut -c1-200 | while read -r line; do
+    gate_line "${line%% *}" "  ${line#* }"; done
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGS/$1.log" | sed 's/=* *//' | while read -r line; do
     if [[ $line =~ SUMMARY:\ 0\ (errors|hazards) ]]; then gate_line PASS "$1 $line"
     else gate_line FAIL "$1 $line"; fi

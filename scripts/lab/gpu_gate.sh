@@ -7,7 +7,7 @@
 # with --error-exitcode (each rank's summary line kept), and a 10^6-cycle soak at N = 2.
 # Writes $OUT/gate_<commit>.txt: every line starts PASS or FAIL and names the commit; the last
 # says GATE PASSED or GATE FAILED. Commit that file with the results.
-#   GIT_COMMIT=abc1234 bash scripts/lab/gpu_gate.sh                # ~520 s on an H100
+#   GIT_COMMIT=abc1234 bash scripts/lab/gpu_gate.sh                # docs/notes.md: its time
 #   GIT_COMMIT=abc1234 GATE_PART=2 bash scripts/lab/gpu_gate.sh    # the second half only
 set -uo pipefail
 : "${GIT_COMMIT:?set GIT_COMMIT (computed where the commit was made)}"
