@@ -8,8 +8,10 @@ is imported from their own folder.
 from __future__ import annotations
 
 import base64
+import faulthandler
 import io
 import os
+import sys
 import time
 import traceback
 
@@ -28,6 +30,12 @@ import numpy as np  # noqa: E402
 from jax_moe_comm import MoEConfig, bootstrap  # noqa: E402
 
 
+# A case still running after this many seconds dumps every thread's Python stack to stderr (and
+# goes on): a hung case then says where each rank was (in a compile, a block_until_ready, a
+# collective close) before the launcher's timeout kills it.
+CASE_STACKS_S = float(os.environ.get("JMC_CASE_STACKS_S", "120"))
+
+
 class Suite:
     def __init__(self, rank: int):
         self.rank = rank
@@ -44,6 +52,9 @@ class Suite:
             if self.only and not any(o in name for o in self.only):
                 return fn
             t0 = time.time()
+            if CASE_STACKS_S > 0:
+                sys.stderr.write(f"[case] {name}\n")  # the dump below names no case itself
+                faulthandler.dump_traceback_later(CASE_STACKS_S, exit=False)
             try:
                 detail = fn()
                 self.log(f"PASS {name} ({time.time() - t0:.1f}s)"
@@ -53,6 +64,7 @@ class Suite:
                 print(f"FAIL {name} on rank {self.rank}: {type(e).__name__}: {e}", flush=True)
                 traceback.print_exc()
             finally:
+                faulthandler.cancel_dump_traceback_later()
                 clear_runtime_tokens()
             return fn
         return wrap

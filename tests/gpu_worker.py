@@ -46,7 +46,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--only", default="", help="comma list of case-name substrings")
     args = parser.parse_args()
+    suite.only.extend(filter(None, args.only.split(",")))
     mesh = T.make_mesh(WORLD)
     log(f"world={WORLD} devices={jax.devices()} backend={jax.default_backend()}")
 
