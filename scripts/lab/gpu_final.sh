@@ -94,7 +94,7 @@ for s in $STEPS; do
   if ! [[ $n =~ ^[0-9]+$ ]]; then echo "-- unknown step $s" | tee -a "$OUT/summary.txt"; continue; fi
   E=(env "${vars[@]}")
   case $what in
-  suite) step $s 200 "${E[@]}" $(L $n 190) $PY "$ROOT/tests/gpu_worker.py" --quick --steps 20 ${SUITE_ARGS:-} ;;
+  suite) step $s 200 "${E[@]}" $(L $n ${SUITE_TIMEOUT:-190}) $PY "$ROOT/tests/gpu_worker.py" --quick --steps 20 ${SUITE_ARGS:-} ;;
   server) step $s 200 "${E[@]}" $(L $n 190) $PY "$ROOT/tests/gpu_server_worker.py" ;;
   protocol) step $s 200 "${E[@]}" $(L $n 190) $PY "$ROOT/tests/gpu_protocol_worker.py" --quick ;;
   grad) tokamax_site  # packed layers run tokamax's GEMM (grouped_vjp's backward) where it imports
