@@ -1,4 +1,5 @@
 #include "bootstrap.h"
+#include "heartbeat.h"
 
 #include <cuda_runtime.h>
 #include <nvshmem.h>
@@ -72,6 +73,7 @@ std::string init(const std::string& unique_id, int rank, int nranks, int device)
 
 std::string finalize() {
   if (!g_initialized) return "";
+  heartbeat_stop();  // (finalize refuses while a handle is open: no word is left to beat)
   cudaDeviceSynchronize();
   nvshmem_finalize();
   g_initialized = false;

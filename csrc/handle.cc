@@ -1,4 +1,5 @@
 #include "handle.h"
+#include "heartbeat.h"
 
 #include <cuda_runtime.h>
 #include <nvshmem.h>
@@ -240,8 +241,9 @@ std::string validate_shape(const Shape& s) {
   return "";
 }
 
-std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns, bool staged,
-                          int staged_node_size, uint64_t start_epoch, int64_t* id_out) {
+std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns,
+                          uint64_t start_timeout_ns, bool staged, int staged_node_size,
+                          uint64_t start_epoch, int64_t* id_out) {
   *id_out = 0;
   const std::string bad = validate_shape(shape);
   if (!bad.empty()) return bad;
@@ -282,6 +284,7 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
   h->shape = shape;
   h->rank = nvshmem_my_pe();
   h->timeout_ns = timeout_ns;
+  h->start_timeout_ns = start_timeout_ns;
   h->staged = staged;
   h->release_acks = acks.value == "release";
   for (int kernel = 0; kernel < kNumKernels; ++kernel)
@@ -319,6 +322,9 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
         error = "PE " + std::to_string(pe) + " is not reachable by load/store from PE " +
                 std::to_string(h->rank) + " (nvshmem_ptr is null) and the handle is not staged";
     if (error.empty()) error = reset_protocol_state(h.get(), start_epoch);
+    int device = 0;
+    if (error.empty() && cudaGetDevice(&device) == cudaSuccess)
+      error = heartbeat_watch(h->sym.heartbeat, device);  // beats from before the barrier
   }
   const cudaError_t err = cudaDeviceSynchronize();
   if (err != cudaSuccess && error.empty()) error = cuda_failure(err, "cudaDeviceSynchronize");
@@ -352,6 +358,7 @@ std::string destroy_handle(int64_t id) {
   cudaDeviceSynchronize();
   std::string error = err == cudaSuccess ? quiet_network_puts(h.get())
                                          : cuda_failure(err, "cudaMemcpy(closed)");
+  if (h->symmetric) heartbeat_forget(h->sym.heartbeat);
   nvshmem_barrier_all();  // nobody still writes into our buffers
   if (h->symmetric) nvshmem_free(h->symmetric);
   h->symmetric = nullptr;
@@ -565,9 +572,16 @@ std::string peer_state(const ErrorRecord& rec) {
     return ". " + peer + " is mid-cycle: it has not started its " + kernel + " of cycle " +
            std::to_string(cycle) + " (" + latest_start +
            "): it is held up between ops (host work or a host pause between them)";
-  return ". " + peer + " has not started cycle " + std::to_string(cycle) + " (" + latest_start +
-         "): it is late (a host pause, a checkpoint save, a compile longer than timeout_s) or "
-         "gone";
+  const std::string not_started =
+      ". " + peer + " has not started cycle " + std::to_string(cycle) + " (" + latest_start + ")";
+  if (rec.view.late == kLateSilent)
+    return not_started + " and its process stopped its heartbeat: it is gone (killed, crashed) "
+                         "or its host hangs";
+  if (rec.view.late == kLateAlive)
+    return not_started + " within start_timeout_s, though its process was alive: it is later "
+                         "than that (a host pause, a checkpoint save, a compile)";
+  return not_started + ": it is late (a host pause, a checkpoint save, a compile longer than "
+                       "timeout_s) or gone";
 }
 
 }  // namespace

@@ -21,6 +21,7 @@ struct Handle {
   Launch launch[kNumKernels]{};         // the split ops' kernels
   Launch fused_launch[kNumFusedOps]{};  // dispatch, combine; 0 blocks: split kernels instead
   uint64_t timeout_ns = 0;
+  uint64_t start_timeout_ns = 0;  // CommonParams::start_timeout_ns
   bool dependent_launch = false;  // kernels start as programmatic dependents (core/launch.cuh)
   bool staged = false;        // some peer is not reachable by load/store
   bool release_acks = false;  // JMC_ACKS=release: CommonParams::release_acks
@@ -54,7 +55,8 @@ struct Handle {
   uint64_t* current_timings() const { return timings + size_t{kTimingSamples} * kTimingSlots; }
   CommonParams common() const {
     return CommonParams{shape, sym, peers, scratch, error_device,
-                        timing ? current_timings() : nullptr, rank, timeout_ns, release_acks};
+                        timing ? current_timings() : nullptr, rank, timeout_ns, start_timeout_ns,
+                        release_acks};
   }
 };
 
@@ -82,8 +84,9 @@ struct DenseHandle {
 // staged_node_size > 0 (KernelTuning.transport="staged"): peers outside this rank's block of
 // staged_node_size consecutive ranks get no load/store pointer in the peer table, so the
 // kernels send to them exactly as to a peer on another node (`staged` must then be true).
-std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns, bool staged,
-                          int staged_node_size, uint64_t start_epoch, int64_t* id_out);
+std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns,
+                          uint64_t start_timeout_ns, bool staged, int staged_node_size,
+                          uint64_t start_epoch, int64_t* id_out);
 // Marks the handle closed on the device first, then frees the symmetric buffer; its small local
 // state (DeviceState, counters, error record, timing rows if any) is kept for the life of the process, so a launch replayed from a
 // command buffer recorded before close() reads valid memory, refuses and records kStaleLaunch

@@ -100,14 +100,15 @@ NB_MODULE(_native, m) {
       [](int num_experts, int k, int hidden, int max_m, int world, int dp, int in_bytes,
          int num_scales, int out_bytes, uint64_t timeout_ns, int num_blocks, int warps,
          bool staged, int staged_node_size, uint64_t start_epoch, int packed_rows,
-         bool drop_overflow, int expert_rows) {
+         bool drop_overflow, int expert_rows, uint64_t start_timeout_ns) {
         jmc::Shape s{num_experts, k, hidden, max_m, world, dp, in_bytes, num_scales, out_bytes,
                      packed_rows, drop_overflow ? 1 : 0, expert_rows};
         int64_t id = 0;
         // (id, "") on success; (id, why) when this rank's part failed after the collective
         // step (the caller destroys it on every rank); (0, why) for a bad shape.
-        std::string error = jmc::create_handle(s, jmc::Launch{num_blocks, warps}, timeout_ns,
-                                               staged, staged_node_size, start_epoch, &id);
+        std::string error =
+            jmc::create_handle(s, jmc::Launch{num_blocks, warps}, timeout_ns, start_timeout_ns,
+                               staged, staged_node_size, start_epoch, &id);
         return std::make_tuple(id, error);
       },
       nb::arg("num_experts"), nb::arg("k"), nb::arg("hidden"), nb::arg("max_m"),
@@ -115,7 +116,7 @@ NB_MODULE(_native, m) {
       nb::arg("out_bytes"), nb::arg("timeout_ns"), nb::arg("num_blocks"), nb::arg("warps"),
       nb::arg("staged"), nb::arg("staged_node_size") = 0, nb::arg("start_epoch") = 0,
       nb::arg("packed_rows") = 0, nb::arg("drop_overflow") = false,
-      nb::arg("expert_rows") = 0);
+      nb::arg("expert_rows") = 0, nb::arg("start_timeout_ns") = 0);
   m.def("destroy_handle", [](int64_t id) { raise_if(jmc::destroy_handle(id)); });
   // recover(), step 1 (local): the cycles this rank completed with no error (handle.h).
   m.def("quiesce_handle", [](int64_t id) {
@@ -183,7 +184,7 @@ NB_MODULE(_native, m) {
   // Tests only: the message of a made-up timeout record (host code, no GPU needed).
   m.def("_describe_timeout", [](int rank, int phase, int peer, uint64_t expected, uint32_t what,
                                 uint32_t needed_kernel, uint64_t needed_cycle,
-                                std::vector<uint64_t> started) {
+                                std::vector<uint64_t> started, uint32_t late) {
     jmc::ErrorRecord rec{};
     rec.code = jmc::kPeerTimeout;
     rec.phase = static_cast<uint32_t>(phase);
@@ -193,6 +194,7 @@ NB_MODULE(_native, m) {
     rec.what = what;
     rec.view.needed_kernel = needed_kernel;
     rec.view.needed_cycle = needed_cycle;
+    rec.view.late = late;
     for (size_t i = 0; i < 4 && i < started.size(); ++i) rec.view.started[i] = started[i];
     return jmc::describe_error(rec, rank);
   });

@@ -19,7 +19,7 @@ from . import autodiff as ad
 from . import quant
 from . import routing as rt
 from .config import KernelTuning, MoEConfig
-from .errors import NativeUnavailableError, ProtocolError, ReferenceFallbackWarning
+from .errors import ProtocolError, ReferenceFallbackWarning
 
 BACKENDS = ("auto", "reference", "nvshmem")
 # "padded": expert_x [L, expert_capacity, H], each local expert's rows padded to a capacity
@@ -360,7 +360,12 @@ class AllToAll:
     DispatchOutput.dropped_rows and dropped_rows() count them.
 
     Every wait for a peer is bounded by `timeout_s`; a peer that never answers surfaces as
-    PeerTimeoutError (from check(), or from the next call on the handle).
+    PeerTimeoutError (from check(), or from the next call on the handle). A rank that has not
+    started the cycle while its process lives (a compile, a checkpoint save) is late, not
+    failed: on the CUDA backend its peers wait for it up to `start_timeout_s` (its process's
+    heartbeat tells alive from gone: a killed rank is still reported within about timeout_s
+    + 1 s). Only peers reachable by load/store (one node) are waited for so; at most timeout_s
+    turns it off. The reference backend has no timeouts.
 
     One handle serves every layer and step, one dispatch/combine pair at a time: each
     dispatch_send must be followed by its dispatch_recv, combine_send and combine_recv before
@@ -384,7 +389,8 @@ class AllToAll:
                  layout: str = "padded", expert_capacity: int | None = None,
                  max_recv_rows: int | None = None, overflow: str = "fail",
                  tuning: KernelTuning | None = None,
-                 timeout_s: float = 30.0, differentiable: bool = False):
+                 timeout_s: float = 30.0, start_timeout_s: float = 600.0,
+                 differentiable: bool = False):
         if _under_trace():
             raise ProtocolError(
                 "AllToAll was created while JAX is tracing (inside jit, eval_shape, grad, "
@@ -394,6 +400,9 @@ class AllToAll:
                 "nnx.eval_shape creates its handles later: jax_moe_comm.flax.create_handles).")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
+        if not start_timeout_s > 0:
+            raise ValueError(f"start_timeout_s={start_timeout_s!r} must be > 0 (at most timeout_s "
+                             "waits for a late rank no longer than for any other)")
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
         if layout not in LAYOUTS:
@@ -415,6 +424,7 @@ class AllToAll:
         self.overflow = overflow
         self.backend_name = resolve_backend(backend, config)
         self._tuning, self._timeout_s = tuning or KernelTuning.DEFAULT, timeout_s
+        self._start_timeout_s = start_timeout_s
         self._backends = []  # every handle this object owns, closed together
         try:
             fwd = self._make_backend(config, self.max_recv_rows, self.expert_capacity)
@@ -464,11 +474,10 @@ class AllToAll:
         else:
             from .backends import nvshmem
 
-            problem = _gpu_problem(config)
-            if problem:
-                raise NativeUnavailableError(problem)
+            # (It checks _gpu_problem itself, after taking its creation tag: collective.)
             backend = nvshmem.NvshmemBackend(config, self.axis_name, self._tuning,
-                                             self._timeout_s, **layout)
+                                             self._timeout_s,
+                                             start_timeout_s=self._start_timeout_s, **layout)
             ad.allow_remat_of_ffi_calls()  # jax.checkpoint saves the all-to-alls' outputs
         self._backends.append(backend)
         return backend

@@ -29,9 +29,10 @@ from .config import MoEConfig
 
 # csrc/core/layout.h: every region of the buffer starts on a 128-byte boundary.
 REGION_ALIGN = 128
-# csrc/core/layout.h: kStartedKernels (the `started` words) and kEntryHeaderBytes (a staged
-# combine entry's header).
+# csrc/core/layout.h: kStartedKernels (the `started` words), the one heartbeat word, and
+# kEntryHeaderBytes (a staged combine entry's header).
 STARTED_KERNELS = 4
+HEARTBEAT_WORDS = 1
 ENTRY_HEADER_BYTES = 16
 
 # Headroom of nvshmem_symmetric_size: NVSHMEM adds its own internal buffers on top of
@@ -62,8 +63,8 @@ def layout_bytes(config: MoEConfig, *, staged: bool = False) -> int:
               _round_up(4 * config.num_scales, 16))
     combine_row = H * config.combine_dtype.itemsize
     combine_cap = m * min(k, L)  # rows one rank returns to one home at most
-    regions = [8 * 1, 8 * STARTED_KERNELS, 8 * G, 8 * W, 8 * m * k, 8 * W, 8 * W, 8 * W,
-               G * m * record, m * k * combine_row]
+    regions = [8 * 1, 8 * STARTED_KERNELS, 8 * HEARTBEAT_WORDS, 8 * G, 8 * W, 8 * m * k, 8 * W,
+               8 * W, 8 * W, G * m * record, m * k * combine_row]
     if staged:
         entries = W * combine_cap * (ENTRY_HEADER_BYTES + combine_row)
         regions += [m * G * record, entries, entries]

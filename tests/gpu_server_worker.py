@@ -113,9 +113,14 @@ def main() -> int:
             a2a.check()
             return f"raised {raised}; after recover() 3 checked cycles on the same step"
 
-    def timeouts_say(tag: str, a2a: AllToAll, phrase: str) -> str:
+    # A staged peer (JMC_TRANSPORT=staged...) is not read by load/store: its timeouts carry no
+    # view of where it stood, and nobody waits longer for it to start (protocol.cuh).
+    staged = os.environ.get("JMC_TRANSPORT", "").startswith("staged")
+
+    def timeouts_say(tag: str, a2a: AllToAll, *phrases: str) -> str:
         """check() on every rank: at least one rank timed out, and every timeout names where
-        the late rank stood with `phrase`. Returns this rank's first line."""
+        the late rank stood with each of `phrases` (on a staged handle: only that it waited for
+        that rank). Returns this rank's first line."""
         err = None
         try:
             a2a.check()
@@ -126,25 +131,56 @@ def main() -> int:
                     kv_allgather(tag, np.frombuffer(mine.encode() or b" ", np.uint8))]
         timeouts = [m for m in everyone if m.startswith("PeerTimeout")]
         assert timeouts, f"no rank timed out: {everyone}"
-        wrong = [m for m in timeouts if phrase not in m]
-        assert not wrong, f"a timeout without '{phrase}': {wrong[0]}"
+        if staged:
+            phrases = (f"waited for rank {WORLD - 1}",)
+        wrong = [m for m in timeouts if not all(p in m for p in phrases)]
+        assert not wrong, f"a timeout without {phrases}: {wrong[0]}"
         return mine
 
     if WORLD >= 2:
+        @suite.case(f"EP{WORLD}-late-rank-waited-for")
+        def late_waited():
+            # The last rank starts its cycle 3 s late (a checkpoint save, a compile) with a 1 s
+            # timeout: it has not started the cycle and its process lives (its heartbeat), so
+            # the others wait for it (start_timeout_s) and the cycle completes with no error.
+            # On a staged handle nobody waits longer: the others time out, and recover().
+            with AllToAll(tiny, backend="nvshmem", timeout_s=1.0, start_timeout_s=20.0) as a2a:
+                step = T.make_step(a2a, mesh)
+                T.run_and_check(a2a, mesh, T.make_inputs(tiny, 31), step=step)
+                if RANK == WORLD - 1:
+                    time.sleep(3.0)
+                t0 = time.time()
+                if staged:
+                    run_cycle(step, T.global_inputs(tiny, mesh, T.make_inputs(tiny, 32)), RANK)
+                    said = timeouts_say("late-staged", a2a)
+                    assert a2a.recover() == 1
+                    return f"rank {RANK} (staged): {said[:120]}; recovered"
+                T.run_and_check(a2a, mesh, T.make_inputs(tiny, 32), step=step)
+                waited = time.time() - t0
+                a2a.check()
+                if RANK != WORLD - 1:
+                    assert waited > 1.5, f"the cycle took {waited:.1f} s: nobody waited"
+                for i in range(2):
+                    T.run_and_check(a2a, mesh, T.make_inputs(tiny, 33 + i), step=step)
+                a2a.check()
+                return f"rank {RANK}: the late cycle took {waited:.1f} s, no error, 4 cycles"
+
         @suite.case(f"EP{WORLD}-late-rank-then-recover")
         def late_rank():
-            # The last rank starts its cycle 3 s late (a checkpoint save, a compile) with a 1 s
-            # timeout: the others time out, and their records say it had not started the cycle
-            # (its started marks, read when the wait gave up). recover() on every rank, and the
-            # same compiled step runs on.
-            with AllToAll(tiny, backend="nvshmem", timeout_s=1.0) as a2a:
+            # The last rank starts its cycle 3 s late with a 1 s timeout and a 2 s
+            # start_timeout_s: the others wait 2 s for it, then time out, and their records say
+            # it had not started the cycle though its process was alive (its started marks and
+            # heartbeat, read when the wait gave up). recover() on every rank, and the same
+            # compiled step runs on.
+            with AllToAll(tiny, backend="nvshmem", timeout_s=1.0, start_timeout_s=2.0) as a2a:
                 step = T.make_step(a2a, mesh)
                 args = T.global_inputs(tiny, mesh, T.make_inputs(tiny, 21))
                 T.run_and_check(a2a, mesh, T.make_inputs(tiny, 21), step=step)
                 if RANK == WORLD - 1:
                     time.sleep(3.0)
                 run_cycle(step, args, RANK)
-                said = timeouts_say("late", a2a, f"rank {WORLD - 1} has not started cycle")
+                said = timeouts_say("late", a2a, f"rank {WORLD - 1} has not started cycle",
+                                    "within start_timeout_s")
                 # Cycle 1 completed everywhere, cycle 2 failed everywhere: one agreed cycle;
                 # then three more, and a second recover() counts from creation (4).
                 done = a2a.recover()

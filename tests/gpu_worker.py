@@ -166,9 +166,12 @@ def main() -> int:
     if WORLD >= 2:
         @suite.case(f"EP{WORLD}-silent-peer-times-out")
         def silent_peer():
-            with AllToAll(tiny, backend="nvshmem", timeout_s=2.0) as a2a:
+            # The last rank never takes part, though its process lives (its heartbeat goes on):
+            # to the others it is a rank that has not started the cycle, waited for up to
+            # start_timeout_s (not timeout_s), then named as such.
+            with AllToAll(tiny, backend="nvshmem", timeout_s=1.0, start_timeout_s=3.0) as a2a:
                 step = T.make_step(a2a, mesh)
-                if RANK != WORLD - 1:  # the last rank never takes part
+                if RANK != WORLD - 1:
                     t0 = time.time()
                     run_cycle(step, T.global_inputs(tiny, mesh, T.make_inputs(tiny, 3)), RANK)
                     waited = time.time() - t0
@@ -179,9 +182,15 @@ def main() -> int:
                         # The first rank to time out reports it; the abort word it sends makes
                         # the others stop at once with PeerAborted naming that rank.
                         print(f"rank {RANK} after {waited:.1f}s: {e}", flush=True)
+                        staged = os.environ.get("JMC_TRANSPORT", "").startswith("staged")
+                        if isinstance(e, PeerTimeoutError) and not staged:
+                            assert "within start_timeout_s" in str(e), str(e)
+                            assert waited > 2.5, f"gave up after {waited:.1f} s, before 3 s"
                 else:
-                    # Still compile the step: shapes must agree, but nothing is executed.
+                    # Still compile the step: shapes must agree, but nothing is executed. The
+                    # handle stays open (its heartbeat beating) past the others' 3 s.
                     step.lower(*T.global_inputs(tiny, mesh, T.make_inputs(tiny, 3)))
+                    time.sleep(4.0)
 
     @suite.case(f"EP{WORLD}-protocol-misuse-reported")
     def misuse():

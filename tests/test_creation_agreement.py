@@ -50,3 +50,40 @@ def test_the_protocol_options_must_agree():
         assert key in PROTOCOL_ENV
         msg = creation_mismatch(0, [request(), request(**{key: value})])
         assert f"{key} differs between ranks" in msg and f"'{value}' on rank 1" in msg, msg
+
+
+def test_a_refusal_on_one_rank_is_named_on_every_rank():
+    """A rank that cannot create the handle (no usable GPU, a process layout the backend
+    refuses) still takes the creation's tag and publishes why (issue 48, item 4): every rank
+    raises naming it, and nobody is left in the collective allocation."""
+    from jax_moe_comm.backends.nvshmem import creation_refusal
+
+    everyone = [dict(request(), refused=""), dict(request(), refused="no usable CUDA device"),
+                dict(request(), refused="")]
+    for rank in range(3):
+        msg = creation_refusal(rank, everyone)
+        assert msg.startswith("rank(s) [1] cannot create it") and "no usable CUDA device" in msg
+    assert "(this rank)" in creation_refusal(1, everyone)
+    assert "(this rank)" not in creation_refusal(0, everyone)
+    assert creation_refusal(0, [dict(request(), refused="")] * 3) == ""
+
+
+def test_a_refused_creation_still_takes_its_tag():
+    """Here (no GPU) the nvshmem backend refuses: after its creation tag, so that the tag
+    counters of the ranks stay in step whichever of them refused."""
+    import pytest
+
+    from jax_moe_comm import KernelTuning, MoEConfig, NativeUnavailableError, bootstrap
+    from jax_moe_comm.backends import nvshmem
+
+    cfg = MoEConfig(num_experts=8, experts_per_token=2, hidden=128, max_num_tokens=4,
+                    world_size=1)
+    from jax_moe_comm.api import _gpu_problem
+
+    if not _gpu_problem(cfg):
+        pytest.skip("the nvshmem backend can run here: nothing refuses")
+    first = int(bootstrap.next_collective_tag("probe").removeprefix("probe"))
+    with pytest.raises(NativeUnavailableError):
+        nvshmem.NvshmemBackend(cfg, "ep", KernelTuning())
+    after = int(bootstrap.next_collective_tag("probe").removeprefix("probe"))
+    assert after == first + 2, "the refused creation took no tag"

@@ -60,18 +60,28 @@ def test_timeout_names_where_the_late_rank_stands():
     describe = native._native._describe_timeout
     recv_phase, count_what, send_kernel = 2, 2, 1  # dispatch_recv waits for a dispatch_send
     # Rank 3 still in cycle 6 (combine_recv) while rank 0 waits for its cycle-7 count.
-    late = describe(0, recv_phase, 3, 7 * 9, count_what, send_kernel, 7, [6, 6, 6, 6])
+    not_waited, alive, silent = 0, 1, 2  # PeerView::late
+    late = describe(0, recv_phase, 3, 7 * 9, count_what, send_kernel, 7, [6, 6, 6, 6],
+                    not_waited)
     assert late.startswith("PeerTimeout: rank 0 in dispatch_recv")
     assert "rank 3 has not started cycle 7" in late and "combine_recv of cycle 6" in late
+    # The wait for its start went on while its heartbeat did, then ran out of start_timeout_s;
+    # or its heartbeat stopped: a dead process, not a late one.
+    beyond = describe(0, recv_phase, 3, 7 * 9, count_what, send_kernel, 7, [6, 6, 6, 6], alive)
+    assert "rank 3 has not started cycle 7" in beyond and "within start_timeout_s" in beyond
+    gone = describe(0, recv_phase, 3, 7 * 9, count_what, send_kernel, 7, [6, 6, 6, 6], silent)
+    assert "rank 3 has not started cycle 7" in gone and "stopped its heartbeat" in gone
     # Its dispatch of cycle 7 ran; rank 0's combine_recv waits for its combine_send's rows.
-    between = describe(0, 4, 3, 7, 4, 3, 7, [7, 7, 6, 6])
+    between = describe(0, 4, 3, 7, 4, 3, 7, [7, 7, 6, 6], not_waited)
     assert "rank 3 is mid-cycle: it has not started its combine_send of cycle 7" in between
     assert "dispatch_recv of cycle 7" in between
     # It started the kernel whose count we wait for, and the count never came.
-    stalled = describe(0, recv_phase, 3, 7 * 9, count_what, send_kernel, 7, [7, 6, 6, 6])
+    stalled = describe(0, recv_phase, 3, 7 * 9, count_what, send_kernel, 7, [7, 6, 6, 6],
+                       not_waited)
     assert "rank 3 had started its dispatch_send of cycle 7" in stalled
     assert "stalled inside it" in stalled
-    fresh = describe(1, recv_phase, 0, 9, count_what, send_kernel, 1, [0, 0, 0, 0])
+    fresh = describe(1, recv_phase, 0, 9, count_what, send_kernel, 1, [0, 0, 0, 0], not_waited)
     assert "started no kernel on this handle since its creation or recover()" in fresh
     # The barrier's waits carry no view: the message is the bare timeout.
-    assert "cycle" not in describe(0, 5, 1, 3, 0, 0, 0, [0, 0, 0, 0]).split("timeout passed")[1]
+    assert "cycle" not in describe(0, 5, 1, 3, 0, 0, 0, [0, 0, 0, 0],
+                                   not_waited).split("timeout passed")[1]

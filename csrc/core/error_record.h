@@ -46,8 +46,15 @@ enum What : uint32_t {
 // (KernelId + 1, 0: no view) and of which cycle, and the cycle of that rank's latest start of
 // each kernel, read from its symmetric buffer when the wait gave up. Tells "has not started the
 // cycle" from "started, stalled inside".
+// `late` says what a wait for a peer that had not started the cycle saw of its host
+// (protocol.cuh, wait_for_late_start): kLateNotWaited (no such wait: the peer had started, or
+// is not load/store reachable, or start_timeout_s <= timeout_s), kLateAlive (its heartbeat went
+// on until start_timeout_s ran out), kLateSilent (its heartbeat stopped: the process is gone or
+// its host hangs).
+enum Late : uint32_t { kLateNotWaited = 0, kLateAlive = 1, kLateSilent = 2 };
 struct PeerView {
   uint32_t needed_kernel;
+  uint32_t late;
   uint64_t needed_cycle;
   uint64_t started[4];
 };

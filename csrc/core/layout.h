@@ -7,6 +7,8 @@
 //   abort_word      [1]            u64  a failing rank SETs abort_value(code, rank) here, everywhere
 //   started         [4]            u64  the cycle of this rank's latest start of each kernel
 //                                       (KernelId order); read by a peer whose wait timed out
+//   heartbeat       [1]            u64  a thread of this process SETs a new value every
+//                                       kHeartbeatPeriodNs while it lives (heartbeat.cc)
 //   dispatch_count  [G]            u64  sender of group g SETs count_word(epoch, records)
 //   dispatch_ack    [world]        u64  receiver r SETs epoch once it has read our records
 //   combine_flag    [max_m][k]     u64  slot (t, j) SET to epoch after its expert row
@@ -126,9 +128,16 @@ constexpr uint32_t kEntryHeaderBytes = 16;
 // Kernels (KernelId, kernels/kernels.h) whose latest start each rank marks in `started`.
 constexpr int kStartedKernels = 4;
 
+// The heartbeat word's period, and how long a peer must see it unchanged to take the process
+// for gone (protocol.cuh, wait_for_late_start): ten beats, so that a host whose scheduler is
+// busy (eight processes compiling on one machine) delays a beat, not ten.
+constexpr uint64_t kHeartbeatPeriodNs = 100'000'000;
+constexpr uint64_t kHeartbeatStaleNs = 10 * kHeartbeatPeriodNs;
+
 struct SymmetricLayout {
   uint64_t* abort_word;
   uint64_t* started;  // [kStartedKernels]
+  uint64_t* heartbeat;
   uint64_t* dispatch_count;
   uint64_t* dispatch_ack;
   uint64_t* combine_flag;
@@ -170,6 +179,7 @@ struct SymmetricLayout {
     const size_t G = l.num_groups, m = l.max_m, k = l.k, W = s.world_size;
     l.abort_word = take_u64(1);
     l.started = take_u64(kStartedKernels);
+    l.heartbeat = take_u64(1);
     l.dispatch_count = take_u64(G);
     l.dispatch_ack = take_u64(W);
     l.combine_flag = take_u64(m * k);

@@ -195,7 +195,14 @@ __device__ __forceinline__ bool refused_at_start(const CommonParams& c, KernelId
   return refused_at_start(c, kernel, phase, load_launch_words(c, kernel), epoch);
 }
 
-enum class Wait { kArrived, kTimedOut, kAborted };
+// kRecorded: the wait failed and already recorded why (wait_for_late_start); nothing to add.
+enum class Wait { kArrived, kTimedOut, kAborted, kRecorded };
+// A wait's outcome and the flag's value it last saw (returned in registers by an out-of-line
+// wait: a pointer to the caller's variable would put it on the stack).
+struct Waited {
+  Wait wait;
+  uint64_t seen;
+};
 
 // How many polls a wait makes between two reads of the clock. %globaltimer is not the SM's
 // cycle counter: a read is a trip off the SM, and one per poll and one per kernel body (for its
@@ -278,18 +285,83 @@ inline __device__ __noinline__ void read_peer_view(const uint64_t* remote, uint3
   for (int i = 0; i < kStartedKernels; ++i) v->started[i] = ld_relaxed_sys_u64(remote + i);
 }
 
-// The record of a wait that timed out, with the peer's view when the peer is a rank. Not
-// inlined, as fail().
+// The record of a wait that timed out, with the peer's view when the peer is a rank (`late`:
+// what a wait for its start saw of its host, PeerView). Not inlined, as fail().
 inline __device__ __noinline__ void fail_timed_out(const CommonParams& c, Phase phase, int peer,
                                                    int token, uint64_t expected, uint64_t seen,
-                                                   What what) {
+                                                   What what, Late late = kLateNotWaited) {
   PeerView view{};
   if (peer >= 0 && peer < c.shape.world_size)
     read_peer_view(peer_ptr(c, c.sym.started, peer), phase, expected, what,
                    static_cast<uint64_t>(what == kWhatRowCount ? c.sym.combine_cap
                                                                : c.shape.max_num_tokens),
                    &view);
+  view.late = late;
   fail(c, kPeerTimeout, phase, peer, token, expected, seen, what, &view);
+}
+
+// A late rank is not a failed one. dispatch_recv's wait for the count of `peer`'s dispatch_send
+// of `cycle` timed out; if that peer has not started the cycle (its started mark is behind)
+// while its process lives (its heartbeat word still changes: heartbeat.cc), it is late (a
+// first-step compile, a synchronous checkpoint), so keep waiting for the count:
+//   - up to c.start_timeout_ns from the wait's start (timeout_ns of it already spent);
+//   - once the peer starts the cycle, the ordinary timeout_ns from then (a peer that stalls
+//     mid-cycle is an error as before);
+//   - kHeartbeatStaleNs after its heartbeat stops (a killed process: reported within the
+//     timeout plus that), or at once when the abort word is set.
+// Only for peers reachable by load/store: their marks and heartbeat are plain loads, where a
+// get to a peer over the network that is gone could block for good. Others, and handles with
+// start_timeout_ns <= timeout_ns, time out as before. Returns kArrived (the count acquired),
+// kAborted, kTimedOut (not waited: the caller records it) or kRecorded. Not inlined: it runs
+// only after a timeout, and the hot loops keep its registers.
+inline __device__ __noinline__ Waited wait_for_late_start(const CommonParams& c,
+                                                          const uint64_t* flag,
+                                                          uint64_t expected, int peer,
+                                                          uint64_t cycle, uint64_t seen) {
+  // (Through the peer table alone: nvshmem_ptr inlined here took the registers a split
+  // kernel's 64-register bound does not have.)
+  const uint8_t* base = peer < kMaxPeerTable ? c.peers.base[peer] : nullptr;
+  if (c.start_timeout_ns <= c.timeout_ns || base == nullptr) return {Wait::kTimedOut, seen};
+  const auto at_peer = [&](const uint64_t* local) {
+    return reinterpret_cast<const uint64_t*>(
+        base + (reinterpret_cast<const uint8_t*>(local) -
+                reinterpret_cast<const uint8_t*>(c.sym.abort_word)));
+  };
+  const uint64_t* started = at_peer(c.sym.started + kDispatchSendKernel);
+  const uint64_t* beat = at_peer(c.sym.heartbeat);
+  if (ld_relaxed_sys_u64(started) >= cycle) return {Wait::kTimedOut, seen};
+  // Time in units of 1024 ns from here, in 32 bits (71 minutes; longer waits are cut there):
+  // 64-bit clocks took the registers a split kernel's 64-register bound does not have.
+  const uint64_t t0 = globaltimer_ns();
+  const uint64_t budget = (c.start_timeout_ns - c.timeout_ns) >> 10;
+  uint32_t give_up = budget > 0xF0000000u ? 0xF0000000u : static_cast<uint32_t>(budget);
+  uint32_t last_beat = static_cast<uint32_t>(ld_relaxed_sys_u64(beat)), beat_changed_at = 0;
+  bool peer_started = false;
+  for (uint32_t polls = 1;; ++polls) {
+    const uint64_t aborted = ld_relaxed_sys_u64(c.sym.abort_word);
+    const uint64_t v = ld_relaxed_sys_u64(flag);
+    if (v >= expected) return {Wait::kArrived, ld_acquire_sys_u64(flag)};
+    if (aborted != 0) return {Wait::kAborted, v};
+    if (polls % kPollsPerClockRead == 0) {
+      const uint32_t now = static_cast<uint32_t>((globaltimer_ns() - t0) >> 10);
+      if (!peer_started && ld_relaxed_sys_u64(started) >= cycle) {
+        peer_started = true;
+        give_up = min(give_up, now + static_cast<uint32_t>(c.timeout_ns >> 10));
+      }
+      const uint32_t b = static_cast<uint32_t>(ld_relaxed_sys_u64(beat));
+      if (b != last_beat) {
+        last_beat = b;
+        beat_changed_at = now;
+      }
+      const bool silent = !peer_started && now - beat_changed_at > (kHeartbeatStaleNs >> 10);
+      if (silent || now > give_up) {
+        fail_timed_out(c, kPhaseDispatchRecv, peer, -1, expected, v, kWhatCount,
+                       silent ? kLateSilent : peer_started ? kLateNotWaited : kLateAlive);
+        return {Wait::kRecorded, v};
+      }
+    }
+    __nanosleep(256);  // a long wait: no need to see the count within a poll's round trip
+  }
 }
 
 // Turns a failed wait into the error record (and the abort broadcast); true if it arrived.
@@ -297,6 +369,7 @@ __device__ __forceinline__ bool check_wait(const CommonParams& c, Wait w, Phase 
                                            int token, uint64_t expected, uint64_t seen,
                                            What what) {
   if (w == Wait::kArrived) return true;
+  if (w == Wait::kRecorded) return false;
   if (w == Wait::kTimedOut) {
     fail_timed_out(c, phase, peer, token, expected, seen, what);
   } else {

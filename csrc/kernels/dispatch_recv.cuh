@@ -17,6 +17,9 @@
 // 3. Step 1, every block: one thread per group waits (bounded) for dispatch_count[g] to carry
 //    epoch e (count_word, core/layout.h); its record count n_g is how many records come. A
 //    prefix over the groups goes to shared memory.
+//    A count that times out from a load/store sender that has not started the cycle while
+//    its process lives (its heartbeat) is waited for longer: a late rank, not a failed one
+//    (protocol.cuh, wait_for_late_start; start_timeout_ns).
 //    A sender reachable by load/store published its count after all its records (release), a
 //    staged sender put its records in one put and the count behind a fence, so the count's
 //    acquire (and, staged, NVSHMEM's post-wait hook in wait_ge) is all a block needs.
@@ -130,7 +133,13 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
       const int sender = g * dp + c.rank % dp;
       uint64_t seen = 0;
       const uint64_t want = count_word(epoch, 0, s.max_num_tokens);
-      const Wait r = wait_ge<may_stage(kPath)>(c, &sym.dispatch_count[g], want, &seen);
+      Wait r = wait_ge<may_stage(kPath)>(c, &sym.dispatch_count[g], want, &seen);
+      if (r == Wait::kTimedOut) {  // a sender that has not started the cycle may be late
+        const Waited late = wait_for_late_start(c, &sym.dispatch_count[g], want, sender, epoch,
+                                                seen);
+        r = late.wait;
+        seen = late.seen;
+      }
       if (check_wait(c, r, kPhaseDispatchRecv, sender, -1, want, seen, kWhatCount)) {
         // seen >= want; more than max_m above it is a later cycle's word (no division needed)
         if (seen - want > static_cast<uint64_t>(s.max_num_tokens)) {

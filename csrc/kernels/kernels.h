@@ -99,6 +99,9 @@ struct CommonParams {
   uint64_t* timings;
   int rank;
   uint64_t timeout_ns;
+  // How long a wait for a peer that has not started the cycle, while its process lives, may
+  // take in all (protocol.cuh, wait_for_late_start); <= timeout_ns: no longer than any wait.
+  uint64_t start_timeout_ns;
   bool release_acks;  // JMC_ACKS=release (handle.cc): acknowledgements with a release store
 };
 

@@ -14,9 +14,13 @@ from .. import bootstrap, native, recovery
 from . import ffi_call
 from ..config import KernelTuning, MoEConfig
 from ..errors import (CapacityExceededError, CorruptDataError, InvalidRoutingError,
-                      MoECommError, PeerAbortedError, PeerTimeoutError, ProtocolError)
+                      MoECommError, NativeUnavailableError, PeerAbortedError, PeerTimeoutError,
+                      ProtocolError)
 
 DEFAULT_TIMEOUT_S = 30.0
+# A peer that has not started the cycle while its process lives (a compile, a checkpoint save)
+# is waited for up to this long (csrc/core/protocol.cuh, wait_for_late_start).
+DEFAULT_START_TIMEOUT_S = 600.0
 
 
 class Routing(NamedTuple):
@@ -82,6 +86,17 @@ def forced_node_size(tuning: KernelTuning, world: int) -> int:
 _start_epoch = 0
 
 
+def creation_refusal(rank: int, everyone: list[dict]) -> str:
+    """The ranks that refused to create the handle ({"refused": why or ""} per rank, in rank
+    order), seen from `rank`; "" if none did."""
+    refused = [(r, v.get("refused", "")) for r, v in enumerate(everyone) if v.get("refused")]
+    if not refused:
+        return ""
+    me = " (this rank)" if any(r == rank for r, _ in refused) else ""
+    return (f"rank(s) {[r for r, _ in refused]} cannot create it{me}: " +
+            "; ".join(f"rank {r}: {why}" for r, why in refused))
+
+
 def creation_mismatch(rank: int, everyone: list[dict]) -> str:
     """What differs between the ranks' creation requests ({"shape": [...], "settings": {...}}
     per rank, in rank order), seen from `rank`; "" if they agree. The same text on every rank
@@ -112,27 +127,27 @@ class NvshmemBackend:
     def __init__(self, cfg: MoEConfig, axis_name, tuning: KernelTuning,
                  timeout_s: float = DEFAULT_TIMEOUT_S, layout: str = "padded",
                  recv_rows: int | None = None, overflow: str = "fail",
-                 expert_capacity: int | None = None):
+                 expert_capacity: int | None = None,
+                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S):
         """layout "padded" or "packed"; recv_rows: the packed capacity C (None: the worst
         case, cfg.max_recv_total); expert_capacity: the padded rows per local expert P (None:
         the worst case, cfg.max_recv_tokens); overflow "fail" or "drop" (api.AllToAll checks
-        them)."""
-        problem = bootstrap.process_layout_problem(cfg.world_size)
-        if problem:
-            from ..errors import NativeUnavailableError
-
-            raise NativeUnavailableError(problem)
-        bootstrap.init()
+        them); timeout_s and start_timeout_s as api.AllToAll's."""
         self.cfg = cfg
         self.axis_name = axis_name
         self.layout = layout
         self.recv_rows = (recv_rows or cfg.max_recv_total) if layout == "packed" else None
         self.expert_capacity = ((expert_capacity or cfg.max_recv_tokens) if layout == "padded"
                                 else None)
-        self._mod = native.module()
-        # Creation is collective: every rank must ask for the same shape and settings, in the
-        # same order. Checked through the key-value store first, so a difference is named, not
-        # a hang (every rank publishes before any rank refuses).
+        # Creation is collective. Its tag comes first, whatever happens on this rank, and every
+        # rank publishes under it its request (shape and settings) or why it refuses: a
+        # refusal or a difference on one rank is then a named error on every rank, with the
+        # ranks' tag counters still in step, instead of a hang in the collective allocation
+        # (or, on a retry, an agreement against another creation's key).
+        tag = bootstrap.next_collective_tag("handle")
+        from ..api import _gpu_problem
+
+        refusal = _gpu_problem(cfg)
         shape = (cfg.num_experts, cfg.experts_per_token, cfg.hidden, cfg.max_num_tokens,
                  cfg.world_size, cfg.dp_size, cfg.dispatch_dtype.name, cfg.combine_dtype.name,
                  layout, self.recv_rows or 0, self.expert_capacity or 0, overflow)
@@ -140,12 +155,24 @@ class NvshmemBackend:
                         num_blocks=tuning.num_blocks, warps_per_block=tuning.warps_per_block,
                         transport=tuning.transport, node_size=tuning.node_size,
                         start_epoch=_start_epoch)
-        tag = bootstrap.next_collective_tag("handle")
-        mine = json.dumps({"shape": shape, "settings": settings})
-        everyone = [json.loads(v) for v in bootstrap.all_gather(tag + ":shape", mine)]
-        problem = creation_mismatch(jax.process_index(), everyone)
+        mine = json.dumps({"refused": refusal, "shape": shape, "settings": settings})
+        try:
+            everyone = [json.loads(v) for v in bootstrap.all_gather(tag + ":shape", mine)]
+        except NativeUnavailableError:  # no key-value store to agree through
+            if refusal:
+                raise NativeUnavailableError(refusal) from None
+            raise
+        rank = jax.process_index()
+        refused = creation_refusal(rank, everyone)
+        if refused:  # this rank's own reason first, as it was before any agreement
+            kind = NativeUnavailableError if refusal else MoECommError
+            raise kind(f"{refusal}\n(AllToAll creation #{tag}: {refused})" if refusal
+                       else f"AllToAll creation #{tag}: {refused}")
+        problem = creation_mismatch(rank, everyone)
         if problem:
             raise ValueError(f"AllToAll creation #{tag}: {problem}")
+        bootstrap.init()  # collective (NVSHMEM's init): every rank gets here or none does
+        self._mod = native.module()
         # After the agreement: a JMC_TRANSPORT this refuses is then refused on every rank alike
         # (refused before it, one rank left the others waiting in the all_gather above).
         node_size = forced_node_size(tuning, cfg.world_size)
@@ -154,6 +181,7 @@ class NvshmemBackend:
             max_m=cfg.max_num_tokens, world=cfg.world_size, dp=cfg.dp_size,
             in_bytes=cfg.dispatch_dtype.itemsize, num_scales=cfg.num_scales,
             out_bytes=cfg.combine_dtype.itemsize, timeout_ns=int(timeout_s * 1e9),
+            start_timeout_ns=int(start_timeout_s * 1e9),
             num_blocks=tuning.num_blocks, warps=tuning.warps_per_block,
             staged=bootstrap.staged() or 0 < node_size < cfg.world_size,
             staged_node_size=node_size, start_epoch=_start_epoch,
