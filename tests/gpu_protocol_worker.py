@@ -335,7 +335,11 @@ def main() -> int:
             timeout = 2.0
             cfg = small_config()
             inp = T.make_inputs(cfg, 21)
-            with AllToAll(cfg, backend="nvshmem", timeout_s=timeout) as a2a:
+            # start_timeout_s = timeout_s: a rank late to start is not waited for longer, so
+            # its stall is the error this case is about (the server suite has the late rank
+            # that is waited for).
+            with AllToAll(cfg, backend="nvshmem", timeout_s=timeout,
+                          start_timeout_s=timeout) as a2a:
                 step = T.make_step(a2a, mesh)
                 args_ = T.global_inputs(cfg, mesh, inp)
                 T.run_and_check(a2a, mesh, inp, step=step)  # compiled, and healthy so far
@@ -370,7 +374,8 @@ def main() -> int:
 
 def exit_test(mesh) -> int:
     """The last rank exits after setup; the others must raise a named error within timeout +
-    10 s. No collective cleanup afterwards (the dead rank would never join it)."""
+    10 s (it has not started the cycle, but its heartbeat has stopped: not waited for). No
+    collective cleanup afterwards (the dead rank would never join it)."""
     timeout = 3.0
     cfg = small_config()
     a2a = AllToAll(cfg, backend="nvshmem", timeout_s=timeout)
