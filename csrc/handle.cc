@@ -1,13 +1,15 @@
 #include "handle.h"
+
+#include "error_text.h"
 #include "heartbeat.h"
+#include "launch_plan.h"
 
 #include <cuda_runtime.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <initializer_list>
+#include <iterator>
 #include <map>
 #include <vector>
 
@@ -23,94 +25,6 @@ int64_t g_next_id = 1;  // per-process counter: same sequence on every process
 std::string cuda_failure(cudaError_t err, const char* what) {
   return std::string(what) + " failed: " + cudaGetErrorName(err) + " (" +
          cudaGetErrorString(err) + ")";
-}
-
-// SMs this process may use. Under MPS with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE the attribute
-// already reports the client's share (14 of 132 SMs at 12 % on the GPU machine's driver 580:
-// scaling it again gave 2 SMs and 4-block grids, 2.4x slower at R1 T=128; docs/notes.md).
-int usable_sms() {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      sms <= 0)
-    return 16;
-  return sms;
-}
-
-// One kernel's grid: at most one full wave of the SM share (its blocks spin on peers, so a
-// second wave would only queue), and no more warps than the kernel has work items for.
-Launch launch_for(const Shape& s, KernelId kernel, Launch tuning) {
-  const int wpb = tuning.warps_per_block;
-  if (tuning.num_blocks > 0) return Launch{tuning.num_blocks, wpb};
-  // A debugging override (tests force one block to tell grid-size bugs from others).
-  if (const char* forced = std::getenv("JMC_NUM_BLOCKS")) {
-    const int blocks = std::atoi(forced);
-    if (blocks > 0) return Launch{blocks, wpb};
-  }
-  const int wave = usable_sms() * std::max(1, blocks_per_sm(s, kernel, wpb));
-  const int chunks = s.hidden / 8;
-  int64_t items = 0;  // the most warps the kernel can keep busy
-  switch (kernel) {
-    case kDispatchSendKernel:
-    case kDispatchRecvKernel: items = int64_t{s.max_num_tokens} * s.num_dp_groups(); break;
-    case kCombineSendKernel: items = s.max_recv_rows(); break;
-    case kCombineRecvKernel: items = int64_t{s.max_num_tokens} * ((chunks + 31) / 32); break;
-  }
-  const int64_t needed = (items + wpb - 1) / wpb;
-  return Launch{static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wave, needed))), wpb};
-}
-
-// A fused op runs as ONE block, or not at all (num_blocks 0: the handler launches the two split
-// kernels). Its recv waits on sends of its own grid, so every block must be resident at once,
-// and under MPS nothing reserves the SM share: a 28-block fused grid (one wave by the
-// occupancy API) deadlocked at V2-Lite T=64 (commit 3a53b3f). One block is always resident.
-// It pays while one block has a warp per work item: (token, destination) pairs for dispatch,
-// slot rows for combine. Measured at 15fe1ae (8 ranks, fp8): at 1 token fused vs split
-// V2-Lite 59.2 vs 69.8 us, R1 89.4 vs 96.3; at 4 tokens a one-block dispatch (32 pairs on 16
-// warps) was slower than the split kernels (R1 79.1 vs 65.5 us dispatch).
-// JMC_FUSED (tests): "always" runs the fused kernel (one block) at any shape, "never" never;
-// unset or empty, the rule above.
-enum class FusedMode { kAuto, kAlways, kNever };
-
-// An environment setting read at creation: its value ("" when unset) and its index in the
-// accepted values, or -1 (create_handle refuses it, naming the accepted values).
-struct EnvChoice {
-  std::string value;
-  int index;
-};
-
-EnvChoice env_choice(const char* name, std::initializer_list<const char*> accepted) {
-  const char* set = std::getenv(name);
-  EnvChoice choice{set ? set : "", -1};
-  int i = 0;
-  for (const char* value : accepted) {
-    if (choice.value == value) choice.index = i;
-    ++i;
-  }
-  return choice;
-}
-
-std::string env_refusal(const char* name, const EnvChoice& choice, const char* expected) {
-  return std::string(name) + "=" + choice.value + ": expected " + expected;
-}
-
-// The device supports it (compute capability 9.0+) and the kernel image running on it has the
-// griddepcontrol.wait (built from compute_90+ code: a build for sm_80 only, JIT-compiled on a
-// Hopper, launched as dependents, would read its predecessor's outputs unordered).
-bool device_has_dependent_launch() {
-  int device = 0, major = 0;
-  return cudaGetDevice(&device) == cudaSuccess &&
-         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
-             cudaSuccess &&
-         major >= 9 && kernels_wait_for_previous();
-}
-
-Launch fused_launch_for(const Shape& s, FusedOp op, int warps_per_block, FusedMode mode) {
-  if (mode == FusedMode::kAlways) return Launch{1, warps_per_block};
-  if (mode == FusedMode::kNever) return Launch{0, warps_per_block};
-  const int64_t items = int64_t{s.max_num_tokens} *
-                        (op == kFusedDispatch ? s.num_dp_groups() : s.experts_per_token);
-  return Launch{items <= warps_per_block ? 1 : 0, warps_per_block};
 }
 
 // Local (non-collective) allocations; "" or what failed.
@@ -249,18 +163,9 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
   if (!bad.empty()) return bad;
   if (tuning.warps_per_block < 2 || tuning.warps_per_block > kMaxWarpsPerBlock)
     return "warps_per_block must be in [2, " + std::to_string(kMaxWarpsPerBlock) + "]";
-  // Settings agreed across ranks before creation (PROTOCOL_ENV), read here.
-  const EnvChoice fused = env_choice("JMC_FUSED", {"", "always", "never"});  // FusedMode's order
-  if (fused.index < 0) return env_refusal("JMC_FUSED", fused, "always, never or unset");
-  // JMC_PDL: "0" launches every kernel stream-ordered (for measuring what programmatic dependent
-  // launch gains); unset, empty or "1": dependent launches on compute capability 9.0 and newer.
-  const EnvChoice pdl = env_choice("JMC_PDL", {"", "1", "0"});
-  if (pdl.index < 0) return env_refusal("JMC_PDL", pdl, "0, 1 or unset");
-  // JMC_ACKS: "release" acknowledges load/store peers with a release store, as before
-  // 2026-12-06 (for A/B timing and as a fallback); unset, empty or "relaxed": a relaxed store
-  // (protocol.cuh, set_ack).
-  const EnvChoice acks = env_choice("JMC_ACKS", {"", "relaxed", "release"});
-  if (acks.index < 0) return env_refusal("JMC_ACKS", acks, "relaxed, release or unset");
+  LaunchPlan plan;
+  const std::string refused = plan_launch(shape, tuning, &plan);  // reads the JMC_* settings
+  if (!refused.empty()) return refused;
   if (staged_node_size > 0) {  // the same on every rank (agreed before): safe to return here
     if (shape.world_size > kMaxPeerTable)
       return "transport='staged' emulates nodes through the peer table: up to " +
@@ -286,16 +191,11 @@ std::string create_handle(const Shape& shape, Launch tuning, uint64_t timeout_ns
   h->timeout_ns = timeout_ns;
   h->start_timeout_ns = start_timeout_ns;
   h->staged = staged;
-  h->release_acks = acks.value == "release";
-  for (int kernel = 0; kernel < kNumKernels; ++kernel)
-    h->launch[kernel] = launch_for(shape, static_cast<KernelId>(kernel), tuning);
-  for (int op = 0; op < kNumFusedOps; ++op)
-    h->fused_launch[op] = fused_launch_for(shape, static_cast<FusedOp>(op),
-                                           tuning.warps_per_block,
-                                           static_cast<FusedMode>(fused.index));
-  h->dependent_launch = pdl.value != "0" && device_has_dependent_launch();
-  for (Launch& l : h->launch) l.dependent_launch = h->dependent_launch;
-  for (Launch& l : h->fused_launch) l.dependent_launch = h->dependent_launch;
+  h->release_acks = plan.release_acks;
+  h->dependent_launch = plan.dependent_launch;
+  std::copy(std::begin(plan.launch), std::end(plan.launch), std::begin(h->launch));
+  std::copy(std::begin(plan.fused_launch), std::end(plan.fused_launch),
+            std::begin(h->fused_launch));
   std::string error = allocate_local(h.get());  // local first: nothing collective can fail on it
 
   size_t bytes = 0;
@@ -502,157 +402,6 @@ std::shared_ptr<DenseHandle> find_dense_handle(int64_t id) {
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_dense.find(id);
   return it == g_dense.end() ? nullptr : it->second;
-}
-
-namespace {
-
-const char* phase_name(uint32_t phase) {
-  static const char* kPhases[] = {"?", "dispatch_send", "dispatch_recv", "combine_send",
-                                  "combine_recv", "barrier"};
-  return phase < 6 ? kPhases[phase] : "?";
-}
-
-const char* what_name(uint32_t what) {
-  static const char* kWhat[] = {"",
-                                "its acknowledgement of the previous cycle",
-                                "its record count",
-                                "a token record",
-                                "an expert row",
-                                "the cycle number",
-                                "expert_num_tokens",
-                                "its row count",
-                                "a local expert's rows"};
-  return what < 9 ? kWhat[what] : "?";
-}
-
-const char* code_name(uint32_t code) {
-  static const char* kCodes[] = {"Ok",          "PeerTimeout",   "InvalidRouting",
-                                 "InvalidRouting", "CorruptData", "PeerAborted",
-                                 "ProtocolError",  "ProtocolError", "CapacityExceeded"};
-  return code < 9 ? kCodes[code] : "Unknown";
-}
-
-// What a kOutOfOrder launch broke, by the phase it was refused in.
-std::string out_of_order_reason(uint32_t phase) {
-  switch (phase) {
-    case kPhaseDispatchSend:
-      return "a dispatch is already in flight (call dispatch_recv before the next "
-             "dispatch_send or dispatch)";
-    case kPhaseDispatchRecv: return "no dispatch_send before it";
-    case kPhaseCombineSend:
-      return "a combine is already in flight (call combine_recv before the next "
-             "combine_send or combine)";
-    case kPhaseCombineRecv: return "no combine_send before it";
-    default: return "a dispatch or combine is in flight";
-  }
-}
-
-// Where the rank a wait timed out on stood (ErrorRecord's peer view), as a sentence; "" if the
-// record has none. Cycles count from 1 per half; a rank's latest start is its started mark
-// with the highest (cycle, kernel order).
-std::string peer_state(const ErrorRecord& rec) {
-  if (rec.view.needed_kernel == 0 || rec.view.needed_kernel > kNumKernels) return "";
-  const int needed = static_cast<int>(rec.view.needed_kernel) - 1;
-  const uint64_t cycle = rec.view.needed_cycle;
-  const std::string peer = "rank " + std::to_string(rec.peer);
-  const std::string kernel = phase_name(needed + 1);  // phases number the kernels from 1
-  int latest = 0;
-  for (int k = 1; k < kNumKernels; ++k)
-    if (rec.view.started[k] >= rec.view.started[latest]) latest = k;
-  const std::string latest_start =
-      rec.view.started[latest] == 0
-          ? "it started no kernel on this handle since its creation or recover()"
-          : std::string("its latest start: ") + phase_name(latest + 1) + " of cycle " +
-                std::to_string(rec.view.started[latest]);
-  if (rec.view.started[needed] >= cycle)
-    return ". " + peer + " had started its " + kernel + " of cycle " + std::to_string(cycle) +
-           " and not delivered: it stalled inside it (waiting on another rank, or its GPU or "
-           "process hangs)";
-  if (rec.view.started[latest] >= cycle)
-    return ". " + peer + " is mid-cycle: it has not started its " + kernel + " of cycle " +
-           std::to_string(cycle) + " (" + latest_start +
-           "): it is held up between ops (host work or a host pause between them)";
-  const std::string not_started =
-      ". " + peer + " has not started cycle " + std::to_string(cycle) + " (" + latest_start + ")";
-  if (rec.view.late == kLateSilent)
-    return not_started + " and its process stopped its heartbeat: it is gone (killed, crashed) "
-                         "or its host hangs";
-  if (rec.view.late == kLateAlive)
-    return not_started + " within start_timeout_s, though its process was alive: it is later "
-                         "than that (a host pause, a checkpoint save, a compile)";
-  return not_started + ": it is late (a host pause, a checkpoint save, a compile longer than "
-                       "timeout_s) or gone";
-}
-
-}  // namespace
-
-std::string describe_error(const ErrorRecord& rec, int rank) {
-  const std::string where = std::string("rank ") + std::to_string(rank) + " in " +
-                            phase_name(rec.phase) + ": ";
-  const std::string peer = "rank " + std::to_string(rec.peer);
-  switch (rec.code) {
-    case kOk:
-      return "";
-    case kPeerTimeout:
-      return "PeerTimeout: " + where + "waited for " +
-             (rec.peer >= 0 ? peer + " (" + what_name(rec.what) + ")"
-                            : "the expert rows of token " + std::to_string(rec.token)) +
-             ", expected >= " + std::to_string(rec.expected) + ", saw " +
-             std::to_string(rec.seen) + " when the timeout passed" + peer_state(rec);
-    case kBadExpertIndex:
-      return "InvalidRouting: " + where + "token " + std::to_string(rec.token) +
-             " has expert index " + std::to_string(static_cast<int64_t>(rec.seen)) +
-             " outside [-1, " + std::to_string(rec.expected) + ")";
-    case kBadNumTokens:
-      return "InvalidRouting: " + where + "num_tokens=" +
-             std::to_string(static_cast<int64_t>(rec.seen)) + " outside [0, " +
-             std::to_string(rec.expected) + "]";
-    case kCorruptData:
-      return "CorruptData: " + where + what_name(rec.what) +
-             (rec.peer >= 0 ? " from " + peer : std::string()) + " is out of range: " +
-             std::to_string(static_cast<int64_t>(rec.seen)) + " (bound " +
-             std::to_string(rec.expected) + "); it was dropped";
-    case kPeerAborted:
-      return "PeerAborted: " + where + peer + " reported " + code_name(rec.expected) +
-             " first, so this rank stopped waiting (see rank " + std::to_string(rec.peer) +
-             "'s error)";
-    case kStaleLaunch:
-      return "ProtocolError: " + where + "a launch on handle after close() (a compiled step "
-             "replayed a recorded launch); it did nothing, and the step's outputs on this rank "
-             "are not data (y is NaN)";
-    case kCapacityExceeded:
-      if (rec.what == kWhatExpertRows)  // padded: seen = rows past the per-expert capacity
-        return "CapacityExceeded: " + where + std::to_string(rec.seen) +
-               " expert rows arrived past expert_capacity=" + std::to_string(rec.expected) +
-               " (per local expert) this cycle; they were not written and the handle stopped "
-               "(overflow='fail'; recover() restarts it). Raise expert_capacity "
-               "(MoEConfig.rows_per_expert_for with a larger capacity factor), or create the "
-               "handle with overflow='drop' to drop such rows and go on";
-      return "CapacityExceeded: " + where + std::to_string(rec.seen) +
-             " expert rows arrived this cycle, more than max_recv_rows=" +
-             std::to_string(rec.expected) + "; the " + std::to_string(rec.seen - rec.expected) +
-             " rows past it were not written and the handle stopped (overflow='fail'; "
-             "recover() restarts it). Raise max_recv_rows (MoEConfig.recv_rows_for with a larger "
-             "capacity factor), or create the handle with overflow='drop' to drop such rows "
-             "and go on";
-    case kOutOfOrder:
-      return "ProtocolError: " + where + out_of_order_reason(rec.phase) + " (sends completed " +
-             std::to_string(rec.expected) + ", receives completed " + std::to_string(rec.seen) +
-             "); the launch did nothing";
-    default:
-      return "Unknown: " + where + "error code " + std::to_string(rec.code);
-  }
-}
-
-std::string describe_abort(const Handle& h) {
-  if (h.symmetric == nullptr) return "";
-  uint64_t word = 0;
-  if (cudaMemcpy(&word, h.sym.abort_word, sizeof(word), cudaMemcpyDeviceToHost) != cudaSuccess)
-    return "";
-  if (word == 0) return "";
-  return "PeerAborted: rank " + std::to_string(h.rank) + ": rank " +
-         std::to_string(abort_rank(word)) + " reported " + code_name(abort_code(word)) +
-         " on this handle (see rank " + std::to_string(abort_rank(word)) + "'s error)";
 }
 
 }  // namespace jmc

@@ -120,10 +120,6 @@ std::shared_ptr<Handle> find_handle(int64_t id);  // open handles only
 std::shared_ptr<Handle> find_open_or_closed_handle(int64_t id);
 std::shared_ptr<DenseHandle> find_dense_handle(int64_t id);
 
-// "" if the handle's kernels recorded no error, else a message naming the error kind first.
-std::string describe_error(const ErrorRecord& rec, int rank);
-// The abort word of the handle (device read: synchronizes), described; "" when clear.
-std::string describe_abort(const Handle& h);
 // Checks a shape the same way the Python config does.
 std::string validate_shape(const Shape& s);
 

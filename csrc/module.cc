@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include "bootstrap.h"
+#include "error_text.h"
 #include "ffi/event.h"
 #include "ffi/handlers.h"
 #include "handle.h"
