@@ -35,6 +35,7 @@
 #pragma once
 
 #include "core/protocol.cuh"
+#include "core/search.cuh"
 #include "core/vec.cuh"
 
 namespace jmc {
@@ -132,12 +133,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p) {
     // A dropped row's source: after the output rows (packed: at i itself, live == C then).
     int at = i < live ? i : capacity + (i - live);
     if (!packed() && i < live) {
-      int e = 0;  // largest e with first_row[e] <= i
-      for (int lo = 0, hi = L; hi - lo > 1;) {
-        const int mid = (lo + hi) / 2;
-        (first_row[mid] <= i ? lo : hi) = mid;
-        e = lo;
-      }
+      const int e = part_of(first_row, L, i);  // the expert whose rows cover i
       at = e * s.padded_stride() + (i - first_row[e]);
     }
     const int src = p.row_source[at];

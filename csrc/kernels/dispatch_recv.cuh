@@ -43,6 +43,7 @@
 
 #include "core/fp8.cuh"
 #include "core/protocol.cuh"
+#include "core/search.cuh"
 #include "core/vec.cuh"
 
 namespace jmc {
@@ -81,12 +82,7 @@ __device__ __forceinline__ void count_expert_rows(const DispatchRecvParams& p,
   for (int e = threadIdx.x; e <= L; e += blockDim.x) expert_first[e] = 0;
   __syncthreads();
   for (uint32_t i = threadIdx.x; i < total; i += blockDim.x) {
-    int g = 0;  // the group whose records cover i (as in step 2)
-    for (int lo = 0, hi = G; hi - lo > 1;) {
-      const int mid = (lo + hi) / 2;
-      (first_record[mid] <= i ? lo : hi) = mid;
-      g = lo;
-    }
+    const int g = part_of(first_record, G, i);  // the group whose records cover i
     const int32_t* ids = reinterpret_cast<const int32_t*>(
                              c.sym.recv_record(g, static_cast<int>(i - first_record[g]))) + 1;
     for (int j = 0; j < k; ++j) {
@@ -172,12 +168,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p) 
   // failed has none (its failure is recorded and broadcast); the other groups' records are
   // complete, so reading them is safe even if a peer has aborted since.
   for (uint32_t i = w.warp; i < total; i += w.total) {
-    int g = 0;  // the group whose records cover i: largest g with first_record[g] <= i
-    for (int lo = 0, hi = G; hi - lo > 1;) {
-      const int mid = (lo + hi) / 2;
-      (first_record[mid] <= i ? lo : hi) = mid;
-      g = lo;
-    }
+    const int g = part_of(first_record, G, i);  // the group whose records cover i
     const int slot = static_cast<int>(i - first_record[g]);
     const int sender = g * dp + c.rank % dp;
     const uint8_t* rec = sym.recv_record(g, slot);
