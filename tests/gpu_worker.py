@@ -170,10 +170,15 @@ def main() -> int:
             # to the others it is a rank that has not started the cycle, waited for up to
             # start_timeout_s (not timeout_s), then named as such.
             with AllToAll(tiny, backend="nvshmem", timeout_s=1.0, start_timeout_s=3.0) as a2a:
-                step = T.make_step(a2a, mesh)
+                # Every rank compiles the step first: XLA's compile of a program over several
+                # processes waits for each of them (jax 0.11.2 on the GPU machine: the others
+                # hung in backend_compile_and_load while the silent rank, which only lowered
+                # it, waited in close()). The silent rank is silent at run time only.
+                args = T.global_inputs(tiny, mesh, T.make_inputs(tiny, 3))
+                step = T.make_step(a2a, mesh).lower(*args).compile()
                 if RANK != WORLD - 1:
                     t0 = time.time()
-                    run_cycle(step, T.global_inputs(tiny, mesh, T.make_inputs(tiny, 3)), RANK)
+                    run_cycle(step, args, RANK)
                     waited = time.time() - t0
                     try:
                         a2a.check()
@@ -187,10 +192,7 @@ def main() -> int:
                             assert "within start_timeout_s" in str(e), str(e)
                             assert waited > 2.5, f"gave up after {waited:.1f} s, before 3 s"
                 else:
-                    # Still compile the step: shapes must agree, but nothing is executed. The
-                    # handle stays open (its heartbeat beating) past the others' 3 s.
-                    step.lower(*T.global_inputs(tiny, mesh, T.make_inputs(tiny, 3)))
-                    time.sleep(4.0)
+                    time.sleep(4.0)  # its handle open, its heartbeat beating, past the others' 3 s
 
     @suite.case(f"EP{WORLD}-protocol-misuse-reported")
     def misuse():
