@@ -79,8 +79,8 @@ std::string peer_state(const ErrorRecord& rec) {
   const std::string not_started =
       ". " + peer + " has not started cycle " + std::to_string(cycle) + " (" + latest_start + ")";
   if (rec.view.late == kLateSilent)
-    return not_started + " and its process stopped its heartbeat: it is gone (killed, crashed) "
-                         "or its host hangs";
+    return not_started + " and its process stopped its heartbeat on this handle: it is gone "
+                         "(killed, crashed), closed the handle, or its host hangs";
   if (rec.view.late == kLateAlive)
     return not_started + " within start_timeout_s, though its process was alive: it is later "
                          "than that (a host pause, a checkpoint save, a compile)";
