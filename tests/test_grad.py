@@ -11,7 +11,6 @@ import collections
 import dataclasses
 import functools
 import itertools
-import os
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 from cases import Case
+from cpu_env import child_env
 
 from jax_moe_comm import AllToAll, autodiff
 from jax_moe_comm import testing as T
@@ -728,7 +728,7 @@ def test_dispatch_sum_is_exact_and_the_same_on_every_rank():
 
 @pytest.mark.parametrize("grad_sum", ["psum", "dispatch"])
 def test_demo_train_loss_goes_down(grad_sum):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     r = subprocess.run([sys.executable, "-m", "jax_moe_comm.demo", "--train", "--steps", "8",
                         "--experts", "16", "--hidden", "128", "--ffn", "256", "--tokens", "16",
                         "--grad-sum", grad_sum, "--lr", "1e-2"],
