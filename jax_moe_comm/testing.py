@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -384,14 +385,20 @@ def differentiable_x(cfg: MoEConfig, inp: Inputs) -> np.ndarray:
     return x.astype(jnp.bfloat16)
 
 
+@jax.jit
+def _fp8_round_trip(v):
+    from . import quant
+
+    return quant.dequantize(*quant.quantize(v)).astype(jnp.bfloat16)
+
+
 def dispatched_x(cfg: MoEConfig, x_bf16: np.ndarray) -> np.ndarray:
     """What the experts see of bf16 x: itself, or its fp8 round trip on an fp8 handle."""
     if not cfg.is_fp8:
         return np.asarray(x_bf16, np.float64)
-    from . import quant
-
-    flat = x_bf16.reshape(-1, cfg.hidden)
-    deq = jax.jit(lambda v: quant.dequantize(*quant.quantize(v)).astype(jnp.bfloat16))(flat)
+    # One jitted function for every call (the oracle calls this per rank): a lambda jitted
+    # here would be traced and compiled again at every call.
+    deq = _fp8_round_trip(x_bf16.reshape(-1, cfg.hidden))
     return np.asarray(deq, np.float64).reshape(x_bf16.shape)
 
 
@@ -598,6 +605,17 @@ def dense_layer_grads(cfg, params_list, x, num_tokens, G, drop):
     x, G [EP, m, H], num_tokens [EP], drop [EP, m, k] -> (grads_list with router/shared
     [EP, ...] per rank and experts summed over the ranks' losses, d x [EP, m, H])."""
 
+    grads, dx = _dense_layer_grads_fn(cfg)(params_list, x, num_tokens, G, drop)
+    grads = [{k: (jnp.sum(v, axis=0) if k in ("w_in", "w_out") else v) for k, v in g.items()}
+             for g in grads]
+    return grads, dx
+
+
+@functools.cache
+def _dense_layer_grads_fn(cfg):
+    """dense_layer_grads' jitted function, one per layer config (tests compare several
+    MoE variants of one config against it)."""
+
     def per_rank(ps, x, nt, G, drop):
         def loss(ps, x):
             y = layer_stack(None, cfg, ps, x, nt, drop, dense=True)
@@ -605,11 +623,7 @@ def dense_layer_grads(cfg, params_list, x, num_tokens, G, drop):
 
         return jax.grad(loss, argnums=(0, 1))(ps, x)
 
-    grads, dx = jax.jit(jax.vmap(per_rank, in_axes=(None, 0, 0, 0, 0)))(
-        params_list, x, num_tokens, G, drop)
-    grads = [{k: (jnp.sum(v, axis=0) if k in ("w_in", "w_out") else v) for k, v in g.items()}
-             for g in grads]
-    return grads, dx
+    return jax.jit(jax.vmap(per_rank, in_axes=(None, 0, 0, 0, 0)))
 
 
 def layer_grad_inputs(cfg, world: int, seed: int, drop_rate: float = 0.0, ragged: bool = True):

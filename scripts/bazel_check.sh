@@ -8,7 +8,11 @@
 # still runs): Debian's Bazel is the only one installable here (the registries have no Bazel 4+
 # that runs offline) and apt needs root. Under CI (CI=true) a skip is a failure.
 # Uses .venv/bin/python (made by scripts/setup.sh) for jax, nanobind and the NVSHMEM wheel.
+#   bash scripts/bazel_check.sh [--tools]
+#     --tools  only install the tools (downloads; .ci/run runs this beside scripts/setup.sh)
 set -euo pipefail
+tools_only=no
+if [ "${1:-}" = --tools ]; then tools_only=yes; fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 BUILDIFIER_VERSION=8.2.1
@@ -49,6 +53,11 @@ if [ ! -x "$BUILDIFIER" ]; then
   else
     skip "buildifier: npm is not installed (apt-get install npm, as root)"
   fi
+fi
+
+if [ $tools_only = yes ]; then
+  echo "bazel_check: tools installed in $(( $(date +%s) - t0 )) s"
+  exit 0
 fi
 
 # 1. Format and lint.

@@ -35,12 +35,21 @@ if [ ! -x "$CHROOT/usr/bin/python3" ]; then
     flock /tmp/jax_moe_comm-apt.lock sh -c 'apt-get update -qq &&
       DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null'
   }
-  say "debootstrap $SUITE (python3, python3-venv) into $CHROOT"
+  # The Debian mirror this machine's apt already uses (as scripts/cuda12_toolkit.sh does);
+  # DEBIAN_MIRROR overrides it.
+  MIRROR=${DEBIAN_MIRROR:-$(apt-get indextargets --format '$(REPO_URI)|$(LABEL)' 2>/dev/null |
+                            awk -F'|' '$2 == "Debian" {print $1; exit}')}
+  if [ -z "$MIRROR" ]; then
+    say "FAILED: this machine's apt has no Debian mirror configured to borrow: set" \
+        "DEBIAN_MIRROR to one (the URL of a Debian archive, as in /etc/apt/sources.list)" >&2
+    exit 1
+  fi
+  say "debootstrap $SUITE (python3, python3-venv) from $MIRROR into $CHROOT"
   unmount_all  # a run cut off mid-way may have left /dev bound inside: never delete through it
   rm -rf --one-file-system "$CHROOT"
   mkdir -p "$WORK"
   debootstrap --variant=minbase --include=python3,python3-venv "$SUITE" "$CHROOT" \
-    http://deb.debian.org/debian > "$WORK/debootstrap.log" 2>&1 ||
+    "$MIRROR" > "$WORK/debootstrap.log" 2>&1 ||
     { tail -20 "$WORK/debootstrap.log" >&2; exit 1; }
 fi
 PYV=$("$CHROOT/usr/bin/python3" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")' 2>/dev/null ||

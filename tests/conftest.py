@@ -1,5 +1,4 @@
-import os
+import cpu_env
 
-# 8 emulated CPU devices for every CPU test; set before jax is imported anywhere.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# 8 emulated CPU devices for every CPU test, XLA set to compile fast; before jax is imported.
+cpu_env.apply()

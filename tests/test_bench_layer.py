@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+from cpu_env import child_env
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 LAYER = os.path.join(ROOT, "benchmarks", "bench_layer.py")
 GEMM = os.path.join(ROOT, "benchmarks", "bench_gemm.py")
@@ -147,7 +149,7 @@ def fake_site(tmp_path_factory):
 
 
 def run(cmd, site, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     env["PYTHONPATH"] = os.pathsep.join([site] + [p for p in [env.get("PYTHONPATH")] if p])
     r = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=240,
                        env=env, cwd=str(tmp_path), check=False)
@@ -361,7 +363,7 @@ def test_row_bucket_rows_run_on_packed_rows_only(tmp_path, fake_site):
 
 
 def plan_fails(tmp_path, fake_site, *args) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     env["PYTHONPATH"] = os.pathsep.join([fake_site] + [p for p in [env.get("PYTHONPATH")] if p])
     r = subprocess.run([sys.executable, LAYER, "--plan", *args], env=env, capture_output=True,
                        text=True, timeout=240, cwd=str(tmp_path))

@@ -13,6 +13,8 @@ import tempfile
 
 import pytest
 
+from cpu_env import child_env
+
 # Left out of `scripts/test.sh --quick`: runs the decode example end to end.
 pytestmark = pytest.mark.slow
 
@@ -31,7 +33,7 @@ def cache(tmp_path_factory):
 
 
 def run(cache, *extra):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     r = subprocess.run([sys.executable, EXAMPLE, *SMALL, *extra], capture_output=True,

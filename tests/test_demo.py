@@ -1,13 +1,14 @@
 """The main job as a smoke test: the README's demo command, two steps."""
 
-import os
 import subprocess
 import sys
 import tempfile
 
+from cpu_env import child_env
+
 
 def test_demo_runs_and_matches_dense():
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     r = subprocess.run([sys.executable, "-m", "jax_moe_comm.demo", "--steps", "3"],
                        capture_output=True, text=True, timeout=300, env=env,
                        cwd=tempfile.gettempdir())
@@ -17,7 +18,7 @@ def test_demo_runs_and_matches_dense():
 
 
 def _demo(*args):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     return subprocess.run([sys.executable, "-m", "jax_moe_comm.demo", "--steps", "2",
                            "--tokens", "16", *args], capture_output=True, text=True,
                           timeout=300, env=env, cwd=tempfile.gettempdir())

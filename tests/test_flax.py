@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cpu_env import child_env
+
 nnx = pytest.importorskip("flax.nnx", reason="flax is an optional extra: pip install "
                                              "jax_moe_comm[flax]")
 
@@ -59,7 +61,7 @@ def test_module_refuses_an_axis_the_mesh_lacks():
     ("flax_decode.py", ["--steps", "4"], "traced 1x"),
 ])
 def test_example_runs(script, args, expect):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     r = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), *args],
                        capture_output=True, text=True, timeout=300, env=env,
                        cwd=tempfile.gettempdir())

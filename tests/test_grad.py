@@ -9,8 +9,8 @@ dispatch, NaN in padding rows), so that they are tested as they will run there.
 
 import collections
 import dataclasses
+import functools
 import itertools
-import os
 import subprocess
 import sys
 import tempfile
@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 from cases import Case
+from cpu_env import child_env
 
 from jax_moe_comm import AllToAll, autodiff
 from jax_moe_comm import testing as T
@@ -207,11 +208,13 @@ def test_rules_match_plain_autodiff_and_oracle(case, routing, split):
     mesh = T.make_mesh(case.ep)
     seed = np.random.SeedSequence().entropy % 2**31
     inp, G = T.make_inputs(cfg, seed, routing), T.loss_cotangent(cfg, seed)
-    T.check_grads_against_oracle(a2a, mesh, inp, G, split=split)
-    T.check_grads_against_oracle(a2a, mesh, inp, G, step=T.make_grad_step(a2a, mesh,
-                                                                            plain=True))
+    # Each step compiled once and run for both checks.
+    rules_step = T.make_grad_step(a2a, mesh, split)
+    plain_step = T.make_grad_step(a2a, mesh, plain=True)
+    T.check_grads_against_oracle(a2a, mesh, inp, G, step=rules_step)
+    T.check_grads_against_oracle(a2a, mesh, inp, G, step=plain_step)
     args = T.grad_inputs(cfg, mesh, inp, G)
-    rules, plain = (T.make_grad_step(a2a, mesh, split, plain=p)(*args) for p in (False, True))
+    rules, plain = rules_step(*args), plain_step(*args)
     for name, got, want in zip(("d x", "d weights", "y"), rules, plain):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         scale = max(1.0, float(np.abs(want).max()))
@@ -235,9 +238,10 @@ def _rules_with_drops_match_oracle_and_plain_autodiff(a2a, case, routing, split=
             cfg, mesh, inp))[4])
         assert (keys >= 0).any(), "no row was dropped: make the capacity smaller"
         expect = T.without_slots(cfg, inp, keys)
-    T.check_grads_against_oracle(a2a, mesh, inp, G, expect=expect, split=split)
+    rules_step = T.make_grad_step(a2a, mesh, split)  # compiled once for both checks
+    T.check_grads_against_oracle(a2a, mesh, inp, G, expect=expect, step=rules_step)
     args = T.grad_inputs(cfg, mesh, inp, G)
-    rules, plain = (T.make_grad_step(a2a, mesh, split, plain=p)(*args) for p in (False, True))
+    rules, plain = rules_step(*args), T.make_grad_step(a2a, mesh, plain=True)(*args)
     for name, got, want in zip(("d x", "d weights", "y"), rules, plain):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         assert np.isfinite(got).all(), name
@@ -368,6 +372,14 @@ LAYER_CASES = {
 }
 
 
+@functools.cache
+def _layer_grad_step(cfg, world, layers, remat):
+    """A handle and its compiled gradient step per layer shape, shared by the cases that
+    differ only in their data (the dropped slots are an input)."""
+    a2a = AllToAll(cfg.comm_config(world), differentiable=True)
+    return a2a, T.make_layer_grad_step(a2a, cfg, T.make_mesh(world), layers, remat)
+
+
 @pytest.mark.parametrize("name", list(LAYER_CASES))
 def test_layer_gradients_equal_dense(name):
     """Every parameter's and the input's gradient of the demo layer (router through top-k
@@ -378,11 +390,11 @@ def test_layer_gradients_equal_dense(name):
     cfg, drop_rate, layers, remat = LAYER_CASES[name]
     world = 8
     mesh = T.make_mesh(world)
-    a2a = AllToAll(cfg.comm_config(world), differentiable=True)
+    a2a, step = _layer_grad_step(cfg, world, layers, remat)
     params = [init_params(cfg, seed) for seed in range(layers)]
     x, nt, G, drop = T.layer_grad_inputs(cfg, world, 5 + layers, drop_rate)
     assert (nt < cfg.max_num_tokens).any() and (drop.any() or drop_rate == 0)
-    moe = T.run_layer_grads(a2a, cfg, mesh, params, x, nt, G, drop, remat)
+    moe = T.run_layer_grads(a2a, cfg, mesh, params, x, nt, G, drop, remat, step=step)
     dense = T.dense_layer_grads(cfg, params, x, nt, G, drop)
     T.compare_layer_grads(*moe, *dense, range(world), cfg.num_experts // world, cfg.dp_size)
 
@@ -716,7 +728,7 @@ def test_dispatch_sum_is_exact_and_the_same_on_every_rank():
 
 @pytest.mark.parametrize("grad_sum", ["psum", "dispatch"])
 def test_demo_train_loss_goes_down(grad_sum):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     r = subprocess.run([sys.executable, "-m", "jax_moe_comm.demo", "--train", "--steps", "8",
                         "--experts", "16", "--hidden", "128", "--ffn", "256", "--tokens", "16",
                         "--grad-sum", grad_sum, "--lr", "1e-2"],

@@ -8,6 +8,8 @@ import tempfile
 
 import pytest
 
+from cpu_env import child_env
+
 # Left out of `scripts/test.sh --quick`: starts 2-8 processes per test.
 pytestmark = pytest.mark.slow
 
@@ -15,7 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def launch(*args, timeout=300):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     # Run from a neutral folder so the installed package is the one imported.
     return subprocess.run([sys.executable, "-m", "jax_moe_comm.launch", *args],
                           capture_output=True, text=True, timeout=timeout, env=env,

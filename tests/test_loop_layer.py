@@ -13,6 +13,8 @@ import sys
 import numpy as np
 import pytest
 
+from cpu_env import child_env
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SCRIPT = os.path.join(ROOT, "benchmarks", "loop_layer.py")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -167,7 +169,7 @@ def test_smoke_run_on_cpu(tmp_path):
     """The whole script, tiny config, 4 tokens, K = 1, 2, one repetition: every row written,
     timed by the wall clock, checked against the oracle, with its floor fields."""
     out = tmp_path / "layer_ours.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     cmd = [sys.executable, SCRIPT, "--configs", "tiny", "--tokens", "4", "--ks", "1,2",
            "--reps", "1", "--warmup", "0", "--hbm-n", "2", "--out", str(out)]
     if not HAS_GATED:  # this build's layer has no gated experts: time the plain ones

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from cpu_env import child_env
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import parity_cases  # noqa: E402
 from jax_moe_comm import testing as T  # noqa: E402
@@ -34,7 +36,7 @@ def test_gpu_parity_worker_runs_on_two_cpu_processes():
     import subprocess
     import tempfile
 
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_parity_worker.py")
     r = subprocess.run([sys.executable, "-m", "jax_moe_comm.launch", "-n", "2", "--platform",
                         "cpu", "--timeout", "200", "--", sys.executable, worker, "--backend",

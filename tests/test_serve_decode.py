@@ -12,6 +12,8 @@ import tempfile
 
 import pytest
 
+from cpu_env import child_env
+
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
                        "serve_decode.py")
 SMALL = ["--steps", "8", "--layers", "2", "--hidden", "128", "--vocab", "64",
@@ -20,7 +22,7 @@ SMALL = ["--steps", "8", "--layers", "2", "--hidden", "128", "--vocab", "64",
 
 def env():
     """The user's environment: conftest's emulated devices off, so the example sets its own."""
-    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return child_env()
 
 
 def run(*extra, timeout=120):

@@ -75,7 +75,9 @@ class Rig:
         self.a2a.close()
 
 
-@pytest.fixture(params=[(m, t) for m in MESHES for t in AXIS_TYPES],
+# Module scope: the tests of one mesh share its rig, so the programs one test jitted are not
+# compiled again by the next (the comparisons read the rig, never change it).
+@pytest.fixture(scope="module", params=[(m, t) for m in MESHES for t in AXIS_TYPES],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def rig(request):
     r = Rig(*request.param)
