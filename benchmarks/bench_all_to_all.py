@@ -46,7 +46,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jax_moe_comm import (AllToAll, KernelTuning, MoEConfig, native,  # noqa: E402
                           order_after, testing as T)
-from jax_moe_comm.backends.nvshmem import DenseAllToAll  # noqa: E402
+from jax_moe_comm import _bench  # noqa: E402
+from jax_moe_comm._bench import DenseAllToAll  # noqa: E402
 from bench_common import CONFIGS, git_commit, kv_gather, measure_host_call_us  # noqa: E402
 from timeline import BARRIER_END, format_timeline, phase_timeline  # noqa: E402  (benchmarks/)
 
@@ -170,7 +171,7 @@ def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_bloc
 
     # Timing on before the first call: XLA may record the calls into a CUDA graph then and
     # replay them without our handlers, so the stamps' setting is the one of the first call.
-    backend.set_timing(True)
+    _bench.set_timing(backend, True)
 
     def timed_samples(step, pipelined: bool) -> tuple[list, float]:
         """Every kernel's stamps of `samples` samples after `warmup`, and the host's time per
@@ -179,7 +180,7 @@ def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_bloc
         barrier ends, if the host enqueues a sample faster than the GPU runs one; else the host
         waits for every sample, and each rank's next launch trails its barrier by the host's
         own launch time."""
-        opened = len(backend.read_timings())  # samples before these (compile, other runs)
+        opened = len(_bench.read_timings(backend))  # samples before these (compile, other runs)
         warm_calls = -(-warmup // per_call)
         calls = warm_calls + -(-samples // per_call)
         for i in range(calls):
@@ -194,7 +195,7 @@ def time_ours(case: Case, mesh, samples: int, warmup: int, matmul: int, num_bloc
         host_us = (time.perf_counter() - t0) / ((calls - warm_calls) * per_call) * 1e6
         jax.block_until_ready(out)
         first = opened + warm_calls * per_call
-        stamps = backend.read_timings()[first:first + samples]
+        stamps = _bench.read_timings(backend)[first:first + samples]
         return stamps, host_us
 
     def per_kernel_us(ts):  # the four halves, then dispatch and combine end to end

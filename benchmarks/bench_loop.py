@@ -54,7 +54,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from bench_common import CONFIGS, fit_line, git_commit, kv_gather, measure_host_call_us  # noqa: E402
 from jax_moe_comm import AllToAll, MoEConfig, native, order_after  # noqa: E402
 from jax_moe_comm import testing as T  # noqa: E402
-from jax_moe_comm.backends.nvshmem import event_elapsed_us, record_event  # noqa: E402
+from jax_moe_comm import _bench  # noqa: E402
+from jax_moe_comm._bench import event_elapsed_us, record_event  # noqa: E402
 from timeline import format_timeline, phase_timeline  # noqa: E402
 
 VARIANTS = ("graph", "graph+barrier")
@@ -128,7 +129,7 @@ def time_case(case: Case, mesh, args) -> dict:
         kind, per_call, calls, order_each = FLOORS[variant]
         ticket = nt
         for _ in range(calls):
-            ticket = backend.floor_kernels(ticket, kind, per_call)
+            ticket = _bench.floor_kernels(backend, ticket, kind, per_call)
             if order_each:
                 ticket = order_after(ticket, nt)
         return order_after(nt, ticket)
@@ -215,13 +216,13 @@ def time_case(case: Case, mesh, args) -> dict:
     # Breakdown: the kernels' stamps in a recorded graph+barrier loop (timing is read when a
     # launch is recorded, so a new jit after set_timing).
     if args.timeline:
-        backend.set_timing(True)
+        _bench.set_timing(backend, True)
         fn = loop_fn(args.timeline, "graph+barrier")
         jax.block_until_ready(fn(*operands))
         jax.block_until_ready(fn(*operands))
-        stamps = backend.read_timings()
+        stamps = _bench.read_timings(backend)
         mine["stamps"] = stamps[-args.timeline:]
-        backend.set_timing(False)
+        _bench.set_timing(backend, False)
 
     T.run_and_check(a2a, mesh, inp)  # still correct after the loops
     a2a.check()

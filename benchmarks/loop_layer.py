@@ -101,7 +101,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from bench_common import Attempt, Sync, fit_line, git_commit, short
-from jax_moe_comm import AllToAll, order_after, resolve_backend
+from jax_moe_comm import AllToAll, _bench, order_after, resolve_backend
 from jax_moe_comm import expert_gemm as G
 from jax_moe_comm import moe as moe_mod
 from jax_moe_comm.moe import MoELayerConfig, moe_forward
@@ -444,10 +444,8 @@ class Bench:
             self.mem_per_rank -= CONTEXT_BYTES
         if self.events:
             from jax_moe_comm import init
-            from jax_moe_comm.backends import nvshmem
-
             init()
-            self.record_event, self.elapsed = nvshmem.record_event, nvshmem.event_elapsed_us
+            self.record_event, self.elapsed = _bench.record_event, _bench.event_elapsed_us
         self.oracle, oracle_problem = load_oracle(args.oracle)
         self.params_key, self.params = None, None
         self.checks, self.counts, self.bandwidths = {}, {}, {}
@@ -738,7 +736,7 @@ class Bench:
                 for _ in range(K):
                     ticket = n
                     for _ in range(2):
-                        ticket = backend.floor_kernels(ticket, "barrier", 1)
+                        ticket = _bench.floor_kernels(backend, ticket, "barrier", 1)
                     n = order_after(n, ticket)
                 return self.stop(n, n)
 
@@ -922,7 +920,7 @@ class Bench:
         local_bytes = L * expert_bytes(H, F, gated)
         bw = self.bandwidth(a2a, local_bytes, errors)
         comm, comm_fit = None, None
-        if self.events and hasattr(a2a.backend, "floor_kernels"):
+        if self.events and a2a.backend_name == "nvshmem":
             cpts, _, _ = self.time_ks(f"{att.tag}:comm", self.comm_floor(a2a), self.args.ks,
                                       errors.setdefault("comm", {}))
             comm_fit = fit_per_layer(sorted(cpts.items()))

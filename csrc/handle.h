@@ -51,12 +51,15 @@ struct Handle {
   // Benchmarks: the kernels write %globaltimer stamps. Read when a handler runs, so a call
   // XLA recorded into a CUDA graph keeps the setting it was recorded with.
   bool timing = false;
+  // Benchmarks and tests: each staged message adds to DeviceState::staged_messages
+  // (CommonParams::count_staged). Read when a handler runs, as `timing`.
+  bool count_staged = false;
 
   uint64_t* current_timings() const { return timings + size_t{kTimingSamples} * kTimingSlots; }
   CommonParams common() const {
     return CommonParams{shape, sym, peers, scratch, error_device,
                         timing ? current_timings() : nullptr, rank, timeout_ns, start_timeout_ns,
-                        release_acks};
+                        release_acks, count_staged};
   }
 };
 

@@ -13,45 +13,21 @@
 
 #include "bootstrap.h"
 #include "error_text.h"
-#include "ffi/event.h"
 #include "ffi/handlers.h"
 #include "handle.h"
+#include "module_util.h"
 
 namespace nb = nanobind;
 
 namespace {
 
-void raise_if(const std::string& error) {
-  if (!error.empty()) throw std::runtime_error(error);
-}
+using jmc::raise_if;
+using jmc::raise_if_cuda;
+using jmc::sync_device;
 
 std::tuple<int, int, int> as_tuple(jmc::Version v) { return {v.major, v.minor, v.patch}; }
 
-std::vector<uint64_t> read_u64(const uint64_t* device, int n) {
-  std::vector<uint64_t> out(n);
-  const cudaError_t err = cudaMemcpy(out.data(), device, n * sizeof(uint64_t),
-                                     cudaMemcpyDeviceToHost);
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("cudaMemcpy(timings): ") + cudaGetErrorString(err));
-  return out;
-}
-
-void sync_device() {
-  const cudaError_t err = cudaDeviceSynchronize();
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("cudaDeviceSynchronize: ") + cudaGetErrorString(err));
-}
-
-std::shared_ptr<jmc::Handle> handle(int64_t id) {
-  auto h = jmc::find_handle(id);
-  if (h == nullptr) throw std::runtime_error("no all-to-all handle " + std::to_string(id));
-  return h;
-}
-
-template <typename Fn>
-nb::capsule handler_capsule(Fn* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
+std::shared_ptr<jmc::Handle> handle(int64_t id) { return jmc::open_handle(id); }
 
 }  // namespace
 
@@ -87,9 +63,7 @@ NB_MODULE(_native, m) {
   // (free, total) bytes of this process's GPU (cudaMemGetInfo): leak checks in the GPU tests.
   m.def("device_memory", [] {
     size_t free = 0, total = 0;
-    const cudaError_t err = cudaMemGetInfo(&free, &total);
-    if (err != cudaSuccess)
-      throw std::runtime_error(std::string("cudaMemGetInfo: ") + cudaGetErrorString(err));
+    raise_if_cuda(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
     return std::make_tuple(free, total);
   });
   m.def("synchronize", [] {
@@ -149,17 +123,6 @@ NB_MODULE(_native, m) {
     return out;
   });
   // Whether the kernels start as programmatic dependent launches (core/launch.cuh).
-  // Messages each kernel sent to staged peers since creation or recover() (DeviceState).
-  m.def("staged_messages", [](int64_t id) {
-    auto h = handle(id);
-    sync_device();
-    jmc::DeviceState state{};
-    const cudaError_t err = cudaMemcpy(&state, h->scratch.state, sizeof(state),
-                                       cudaMemcpyDeviceToHost);
-    if (err != cudaSuccess)
-      throw std::runtime_error(std::string("cudaMemcpy(state): ") + cudaGetErrorString(err));
-    return std::vector<uint64_t>(state.staged_messages, state.staged_messages + jmc::kNumKernels);
-  });
   m.def("dependent_launch", [](int64_t id) { return handle(id)->dependent_launch; });
   // Whether the handle acknowledges load/store peers with relaxed stores (JMC_ACKS; handle.cc).
   m.def("relaxed_acks", [](int64_t id) { return !handle(id)->release_acks; });
@@ -169,11 +132,9 @@ NB_MODULE(_native, m) {
     auto h = handle(id);
     sync_device();
     uint64_t dropped = 0;
-    const cudaError_t err = cudaMemcpy(&dropped, &h->scratch.state->dropped_rows,
-                                       sizeof(dropped), cudaMemcpyDeviceToHost);
-    if (err != cudaSuccess)
-      throw std::runtime_error(std::string("cudaMemcpy(dropped_rows): ") +
-                               cudaGetErrorString(err));
+    raise_if_cuda(cudaMemcpy(&dropped, &h->scratch.state->dropped_rows, sizeof(dropped),
+                             cudaMemcpyDeviceToHost),
+                  "cudaMemcpy(dropped_rows)");
     return dropped;
   });
   // The first recorded kernel error ("" if none). Reads pinned memory: no device sync.
@@ -181,7 +142,6 @@ NB_MODULE(_native, m) {
     auto h = handle(id);
     return jmc::describe_error(*h->error_host, h->rank);
   });
-  // Synchronizes, then the recorded error, else the abort word a peer set ("" if neither).
   // Tests only: the message of a made-up timeout record (host code, no GPU needed).
   m.def("_describe_timeout", [](int rank, int phase, int peer, uint64_t expected, uint32_t what,
                                 uint32_t needed_kernel, uint64_t needed_cycle,
@@ -199,50 +159,12 @@ NB_MODULE(_native, m) {
     for (size_t i = 0; i < 4 && i < started.size(); ++i) rec.view.started[i] = started[i];
     return jmc::describe_error(rec, rank);
   });
+  // Synchronizes, then the recorded error, else the abort word a peer set ("" if neither).
   m.def("check_handle", [](int64_t id) {
     auto h = handle(id);
     sync_device();
     std::string recorded = jmc::describe_error(*h->error_host, h->rank);
     return recorded.empty() ? jmc::describe_abort(*h) : recorded;
-  });
-  // Timing on: the stamps start over (device counters: waits for queued work first). Takes
-  // effect for calls whose handler runs after it (a call replayed from a CUDA graph keeps
-  // what it was recorded with: turn timing on before a compiled function first runs).
-  m.def("set_timing", [](int64_t id, bool on) {
-    auto h = handle(id);
-    std::lock_guard<std::mutex> lock(h->mutex);
-    if (on) raise_if(jmc::ensure_timing_rows(h.get()));
-    h->timing = on;
-    if (!on) return;
-    sync_device();
-    const cudaError_t err = cudaMemset(&h->scratch.state->timing_opened, 0, sizeof(uint32_t));
-    if (err != cudaSuccess)
-      throw std::runtime_error(std::string("cudaMemset(timing): ") + cudaGetErrorString(err));
-  });
-  // The stamps of the samples since set_timing(true), oldest first, kTimingSlots each (ns of
-  // %globaltimer): the ring's rows, then the current row (the last sample, not yet filed).
-  // Waits for the device first: samples may still be queued.
-  m.def("read_timings", [](int64_t id) {
-    auto h = handle(id);
-    sync_device();
-    std::lock_guard<std::mutex> lock(h->mutex);
-    uint32_t opened = 0;
-    const cudaError_t err = cudaMemcpy(&opened, &h->scratch.state->timing_opened,
-                                       sizeof(opened), cudaMemcpyDeviceToHost);
-    if (err != cudaSuccess)
-      throw std::runtime_error(std::string("cudaMemcpy(timing): ") + cudaGetErrorString(err));
-    if (opened > jmc::kTimingSamples)
-      throw std::runtime_error(std::to_string(opened) + " samples since set_timing(true), but "
-                               "the handle keeps the stamps of " +
-                               std::to_string(jmc::kTimingSamples));
-    std::vector<std::vector<uint64_t>> samples;
-    if (opened == 0) return samples;
-    const std::vector<uint64_t> ring =
-        read_u64(h->timings, static_cast<int>((opened - 1) * jmc::kTimingSlots));
-    for (size_t i = 0; i < ring.size(); i += jmc::kTimingSlots)
-      samples.emplace_back(ring.begin() + i, ring.begin() + i + jmc::kTimingSlots);
-    samples.push_back(read_u64(h->current_timings(), jmc::kTimingSlots));
-    return samples;
   });
   // How many times a handler of this handle ran (tests: XLA replaying a command buffer runs
   // none of ours).
@@ -252,40 +174,21 @@ NB_MODULE(_native, m) {
     std::lock_guard<std::mutex> lock(h->mutex);
     return h->handler_calls;
   });
-  m.def("read_dense_timings", [](int64_t id) {
-    auto h = jmc::find_dense_handle(id);
-    if (h == nullptr) throw std::runtime_error("no dense handle " + std::to_string(id));
-    return read_u64(h->timings, 2);
-  });
   m.def("barrier_all", [] {
     if (!jmc::initialized()) throw std::runtime_error("NVSHMEM is not initialized");
     nvshmem_barrier_all();
   });
-  m.def("create_dense_handle", [](int world, size_t chunk_bytes) {
-    int64_t id = 0;
-    raise_if(jmc::create_dense_handle(world, chunk_bytes, &id));
-    return id;
-  });
-  // Microseconds between the last records of two event slots (jmc_record_event); waits.
-  m.def("event_elapsed_us", [](int from, int to) {
-    std::string error;
-    const float ms = jmc::event_elapsed_ms(from, to, &error);
-    raise_if(error);
-    return 1e3 * static_cast<double>(ms);
-  });
-  m.def("destroy_dense_handle", [](int64_t id) { raise_if(jmc::destroy_dense_handle(id)); });
 
   nb::dict targets;
-  targets["jmc_dispatch_send"] = handler_capsule(jmc::kDispatchSend);
-  targets["jmc_dispatch_recv"] = handler_capsule(jmc::kDispatchRecv);
-  targets["jmc_combine_send"] = handler_capsule(jmc::kCombineSend);
-  targets["jmc_combine_recv"] = handler_capsule(jmc::kCombineRecv);
-  targets["jmc_dispatch"] = handler_capsule(jmc::kDispatch);
-  targets["jmc_combine"] = handler_capsule(jmc::kCombine);
-  targets["jmc_barrier"] = handler_capsule(jmc::kBarrier);
-  targets["jmc_floor_kernels"] = handler_capsule(jmc::kFloorKernels);
-  targets["jmc_dense_all_to_all"] = handler_capsule(jmc::kDenseAllToAll);
-  targets["jmc_order_after"] = handler_capsule(jmc::kOrderAfter);
-  targets["jmc_record_event"] = handler_capsule(jmc::kRecordEvent);
+  targets["jmc_dispatch_send"] = jmc::handler_capsule(jmc::kDispatchSend);
+  targets["jmc_dispatch_recv"] = jmc::handler_capsule(jmc::kDispatchRecv);
+  targets["jmc_combine_send"] = jmc::handler_capsule(jmc::kCombineSend);
+  targets["jmc_combine_recv"] = jmc::handler_capsule(jmc::kCombineRecv);
+  targets["jmc_dispatch"] = jmc::handler_capsule(jmc::kDispatch);
+  targets["jmc_combine"] = jmc::handler_capsule(jmc::kCombine);
+  targets["jmc_barrier"] = jmc::handler_capsule(jmc::kBarrier);
+  targets["jmc_order_after"] = jmc::handler_capsule(jmc::kOrderAfter);
   m.attr("ffi_targets") = targets;
+  jmc::define_bench_module(
+      m.def_submodule("bench", "benchmarks' and tests' instruments (jax_moe_comm._bench)"));
 }

@@ -122,16 +122,34 @@ def test_checkpoint_never_recomputes_our_calls(policy):
 def test_floor_kernels_lower_with_their_attributes_and_refuse_bad_ones():
     # bench_loop's floor: one side-effecting call carrying kind and count; bad ones refused at
     # trace time with what was expected (a handle-less stand-in: nothing here runs)
+    from jax_moe_comm import _bench
     from jax_moe_comm.backends.nvshmem import NvshmemBackend
 
     backend = object.__new__(NvshmemBackend)
     backend.handle = 7
     x = jnp.ones((4,), jnp.int32)
-    (line,) = [ln for ln in cuda_hlo(lambda v: backend.floor_kernels(v, "barrier", 2), x)
-               .splitlines() if "@jmc_floor_kernels" in ln]
+    hlo = cuda_hlo(lambda v: _bench.floor_kernels(backend, v, "barrier", 2), x)
+    (line,) = [ln for ln in hlo.splitlines() if "@jmc_floor_kernels" in ln]
     assert "has_side_effect = true" in line
     assert "kind = 1 : i64" in line and "count = 2 : i64" in line and "handle = 7 : i64" in line
     with pytest.raises(ValueError, match="kind from"):
-        backend.floor_kernels(x, "nap", 1)
+        _bench.floor_kernels(backend, x, "nap", 1)
     with pytest.raises(ValueError, match=r"count in \[1, 16\]"):
-        backend.floor_kernels(x, "empty", 17)
+        _bench.floor_kernels(backend, x, "empty", 17)
+
+
+def test_instruments_are_apart_from_the_product():
+    # timing, counting, floors, events and the dense baseline live in jax_moe_comm._bench
+    # (issue 50): the product's backend carries none, and they refuse a non-CUDA handle
+    from jax_moe_comm import AllToAll, MoEConfig, _bench
+    from jax_moe_comm.backends import nvshmem
+
+    for name in ("floor_kernels", "set_timing", "read_timings", "staged_messages"):
+        assert not hasattr(nvshmem.NvshmemBackend, name), name
+    assert not hasattr(nvshmem, "record_event") and not hasattr(nvshmem, "DenseAllToAll")
+    cfg = MoEConfig(num_experts=8, experts_per_token=2, hidden=64, max_num_tokens=4,
+                    world_size=8)
+    with AllToAll(cfg, backend="reference") as a2a:
+        for instrument in (_bench.set_timing, _bench.count_staged_messages):
+            with pytest.raises(ValueError, match="backend='nvshmem'"):
+                instrument(a2a, True)

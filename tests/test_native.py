@@ -19,8 +19,11 @@ def test_native_module_built():
     assert tuple(mod.built_nvshmem_version()) == native.REQUIRED_NVSHMEM
     assert tuple(mod.runtime_nvshmem_version()) == native.REQUIRED_NVSHMEM
     assert {"jmc_dispatch_send", "jmc_dispatch_recv", "jmc_combine_send", "jmc_combine_recv",
-            "jmc_barrier", "jmc_floor_kernels", "jmc_dense_all_to_all",
-            "jmc_record_event"} <= set(mod.ffi_targets)
+            "jmc_dispatch", "jmc_combine", "jmc_barrier",
+            "jmc_order_after"} == set(mod.ffi_targets)
+    # the instruments' handlers are apart, registered by jax_moe_comm._bench only
+    assert {"jmc_floor_kernels", "jmc_dense_all_to_all",
+            "jmc_record_event"} == set(mod.bench.ffi_targets)
     assert not mod.initialized()
 
 

@@ -32,9 +32,11 @@ __device__ __forceinline__ T* peer_ptr(const CommonParams& c, T* local, int pe) 
 // plain 8-byte put behind nvshmem_fence: proxy transports run signals as atomics at the
 // target, which UCX cannot do without GDRCopy ("AMO 8 not supported ... GDRCopy Disabled"),
 // and flags only need SET: a whole aligned word, never added to.
-// A kernel that passes itself as `counted` adds the message to its staged_messages count.
+// A kernel that passes itself as `counted` adds the message to its staged_messages count
+// when the handle counts them (CommonParams::count_staged; off unless a test asks).
 __device__ __forceinline__ void count_staged(const CommonParams& c, KernelId kernel,
                                              uint64_t messages) {
+  if (!c.count_staged) return;
   atomicAdd(reinterpret_cast<unsigned long long*>(&c.scratch.state->staged_messages[kernel]),
             static_cast<unsigned long long>(messages));
 }

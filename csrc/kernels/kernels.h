@@ -68,8 +68,9 @@ struct DeviceState {
   // buffer recorded before close() reads them safely, refuses, and is reported (kStaleLaunch)
   // instead of running on memory a newer handle may own.
   uint32_t closed;
-  // Messages (puts, flag puts) each kernel sent to staged peers, since creation or recover():
-  // the staged path's per-cycle message count, read by tests (module staged_messages()).
+  // Messages (puts, flag puts) each kernel sent to staged peers while the handle counted them
+  // (CommonParams::count_staged), since creation or recover(): the staged path's per-cycle
+  // message count, read by tests (jax_moe_comm._bench.staged_messages).
   uint64_t staged_messages[kNumKernels];
   // Rows dropped past a capacity (overflow "drop") since creation or recover(), added by
   // dispatch_recv's last block (module dropped_rows() reads it after a device sync). In device
@@ -103,6 +104,7 @@ struct CommonParams {
   // take in all (protocol.cuh, wait_for_late_start); <= timeout_ns: no longer than any wait.
   uint64_t start_timeout_ns;
   bool release_acks;  // JMC_ACKS=release (handle.cc): acknowledgements with a release store
+  bool count_staged;  // add each staged message to DeviceState::staged_messages (tests only)
 };
 
 struct DispatchSendParams {

@@ -323,35 +323,11 @@ class NvshmemBackend:
         """On-stream barrier of every rank of this handle; returns a ticket ordered after dep."""
         return self._call("jmc_barrier", self._ticket(dep), dep, side_effect=True)
 
-    def floor_kernels(self, dep, kind: str, count: int):
-        """Benchmarks' floor (bench_loop): `count` kernels in one call, each a dependent launch
-        of the one before, "empty" (a kernel boundary alone) or "barrier" (a boundary and one
-        all-rank crossing); returns a ticket ordered after dep."""
-        kinds = {"empty": 0, "barrier": 1}
-        if kind not in kinds or not 1 <= count <= 16:
-            raise ValueError(f"floor_kernels: kind from {sorted(kinds)}, count in [1, 16]; "
-                             f"got {kind!r}, {count}")
-        return self._call("jmc_floor_kernels", self._ticket(dep), dep, side_effect=True,
-                          kind=np.int64(kinds[kind]), count=np.int64(count))
-
     # -- host side -------------------------------------------------------------------------
-    def set_timing(self, on: bool) -> None:
-        """Benchmarks: bracket every kernel with %globaltimer stamps (read_timings). Each
-        barrier() opens a sample; on=True starts counting samples from zero. A call that XLA
-        recorded into a CUDA graph (command buffers) keeps the setting of its recording: turn
-        timing on before a compiled function's first call."""
-        self._mod.set_timing(self.handle, bool(on))
-
     def handler_calls(self) -> int:
         """How many times one of this handle's FFI handlers ran on this process. Calls that XLA
         replays from a command buffer (CUDA graph) run none."""
         return int(self._mod.handler_calls(self.handle))
-
-    def read_timings(self) -> list[list[int]]:
-        """Per sample since set_timing(True), oldest first: ns stamps [start, end] of
-        dispatch_send, dispatch_recv, combine_send, combine_recv, then the marks (kernels.h).
-        Waits for the device."""
-        return [list(ts) for ts in self._mod.read_timings(self.handle)]
 
     def check(self):
         """Waits for the device; raises this rank's recorded error, else a peer's abort. The
@@ -391,13 +367,6 @@ class NvshmemBackend:
         then of the fused dispatch and combine."""
         return [tuple(x) for x in self._mod.launch_shape(self.handle)]
 
-    def staged_messages(self) -> dict[str, int]:
-        """Messages (puts, flag puts) each kernel sent to staged peers since creation or
-        recover() (waits for the device): the staged path's cost in network messages."""
-        counts = self._mod.staged_messages(self.handle)
-        return dict(zip(("dispatch_send", "dispatch_recv", "combine_send", "combine_recv"),
-                        (int(c) for c in counts)))
-
     def dependent_launch(self) -> bool:
         """Whether the kernels start as programmatic dependent launches (Hopper+, JMC_PDL)."""
         return bool(self._mod.dependent_launch(self.handle))
@@ -417,42 +386,4 @@ class NvshmemBackend:
         return int(self._mod.symmetric_bytes(self.handle))
 
 
-def record_event(dep, slot: int):
-    """Benchmarks: cudaEventRecord into event `slot` on XLA's stream once `dep` exists; returns a
-    ticket to order later work after it (`order_after`). Kept out of XLA's command buffers, so
-    the event is recorded at every execution (csrc/ffi/event.cc). `event_elapsed_us` reads it."""
-    bootstrap.init()
-    native.register_targets()
-    return ffi_call.call("jmc_record_event", result_type(dep, (1,), jnp.int32), dep,
-                         side_effect=True, slot=np.int64(slot))
-
-
-def event_elapsed_us(start_slot: int, end_slot: int) -> float:
-    """Microseconds from event `start_slot` to `end_slot` as last recorded (waits for the end)."""
-    return float(native.module().event_elapsed_us(int(start_slot), int(end_slot)))
-
-
-class DenseAllToAll:
-    """Benchmark baseline: nvshmemx_alltoallmem_on_stream of world x chunk_bytes per rank."""
-
-    def __init__(self, world_size: int, chunk_bytes: int):
-        bootstrap.init()
-        self._mod = native.module()
-        self.world_size, self.chunk_bytes = world_size, chunk_bytes
-        self.handle = int(self._mod.create_dense_handle(world_size, chunk_bytes))
-
-    def __call__(self, x, copy: bool = False):
-        out = result_type(x, (self.world_size, self.chunk_bytes), jnp.uint8)
-        return ffi_call.call("jmc_dense_all_to_all", out, x, side_effect=True,
-                             handle=np.int64(self.handle), copy=np.int64(int(copy)))
-
-    def read_timings(self) -> list[int]:
-        """ns stamps [start, end] of the last all-to-all on the stream."""
-        return list(self._mod.read_dense_timings(self.handle))
-
-    def close(self):
-        self._mod.destroy_dense_handle(self.handle)
-
-
-__all__ = ["NvshmemBackend", "DenseAllToAll", "ProtocolError", "record_event",
-           "event_elapsed_us"]
+__all__ = ["NvshmemBackend", "ProtocolError"]
