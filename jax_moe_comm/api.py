@@ -377,12 +377,12 @@ class AllToAll:
     counts the same way on the host).
 
     differentiable=True: also allocate the buffers of the backward all-to-alls (bf16 dispatch,
-    f32 combine; a second one with dp_size 1 when dp_size > 1), so that jax.grad can
-    differentiate dispatch (w.r.t. x) and combine (w.r.t. expert_y and weights); padding rows
-    of expert_x are then zero. Without it, differentiating raises at trace time. Forward-mode
-    (jax.jvp) and jax.vmap are not supported. Rules and DP/fp8 semantics: autodiff.py. Both
-    layouts, with any capacity: the backward handles have the forward's layout (the combine
-    backward at the worst-case capacity: it drops nothing).
+    f32 combine; a second one with token_replicas 1 when token_replicas > 1), so that jax.grad
+    can differentiate dispatch (w.r.t. x) and combine (w.r.t. expert_y and weights); padding
+    rows of expert_x are then zero. Without it, differentiating raises at trace time.
+    Forward-mode (jax.jvp) and jax.vmap are not supported. Rules and token-group/fp8
+    semantics: autodiff.py. Both layouts, with any capacity: the backward handles have the
+    forward's layout (the combine backward at the worst-case capacity: it drops nothing).
     """
 
     def __init__(self, config: MoEConfig, *, axis_name: str = "ep", backend: str = "auto",
@@ -436,9 +436,9 @@ class AllToAll:
                 # Its combine half reads d expert_x in the forward's rows: same capacity.
                 dispatch_grad = combine_grad = self._make_backend(bwd, self.max_recv_rows,
                                                                   self.expert_capacity)
-                # dy is dispatched by every DP member (dp_size 1) and must drop nothing (the
+                # dy is dispatched by every replica (token_replicas 1) and must drop nothing (the
                 # worst-case rows): a second handle unless dispatch_grad is that already.
-                if config.dp_size > 1 or not self.drops_nothing:
+                if config.token_replicas > 1 or not self.drops_nothing:
                     dp1 = dataclasses.replace(bwd, token_replicas=1)
                     packed = layout == "packed"
                     combine_grad = self._make_backend(

@@ -17,22 +17,22 @@ slot carrying the summed weight; merge_repeats itself is plain JAX and different
   indices, num_tokens, x_scale and the routing get no gradient; rows >= the counts and
   tokens >= num_tokens get zero.
 
-DP groups (dp_size > 1): the members hold the same tokens, a slot is sent by one member and
-combine returns the result to every member. So d expert_y sums the dy of EVERY member (the
-fan-out's transpose is a fan-in), d x of a slot lands on the member that sent it, and each
-member's d w is that of its own output. Summed over a group, d x is the full gradient of the
-group's shared input (the usual reduction for replicated activations). Plain-JAX autodiff of
-the reference backend gives exactly this.
+Token groups (token_replicas > 1): the members hold the same tokens, a slot is sent by one
+member and combine returns the result to every member. So d expert_y sums the dy of EVERY
+member (the fan-out's transpose is a fan-in), d x of a slot lands on the member that sent it,
+and each member's d w is that of its own output. Summed over a group, d x is the full gradient
+of the group's shared input (the usual reduction for replicated activations). Plain-JAX
+autodiff of the reference backend gives exactly this.
 
 Handles. The backward all-to-alls run on handles of their own (created by
 `AllToAll(..., differentiable=True)`, eagerly: creation is collective), with bf16 dispatch
 and f32 combine:
-  * `dispatch_grad`: same dp_size as the forward; its COMBINE half carries d x, with the
-    forward dispatch's routing (the row layout it describes is the forward handle's).
-  * `combine_grad`: dp_size 1, so that every member of a DP group sends its own dy (the fan-in
-    above; with the forward's dp_size only one member would); its DISPATCH half carries dy.
-    When the forward has dp_size 1, both are one handle (its two halves are independent),
-    unless the forward has a capacity below the worst case (see Layouts).
+  * `dispatch_grad`: same token_replicas as the forward; its COMBINE half carries d x, with
+    the forward dispatch's routing (the row layout it describes is the forward handle's).
+  * `combine_grad`: token_replicas 1, so that every member of a token group sends its own dy
+    (the fan-in above; with the forward's token_replicas only one member would); its DISPATCH
+    half carries dy. When the forward has token_replicas 1, both are one handle (its two halves
+    are independent), unless the forward has a capacity below the worst case (see Layouts).
 Why not the forward handle: XLA orders ops by data only, and nothing orders a layer's backward
 all-to-alls against forward cycles that do not feed it (a rematerialised forward, or other
 work the user puts in the same jit): on one handle XLA could put two cycles in flight. On
@@ -130,8 +130,8 @@ class Plan:
     axis_name: Any
     rows: Rows  # the forward's layout (and dispatch_grad's)
     fwd: Any
-    dispatch_grad: Any | None = None  # combine half carries d x (forward dp_size and rows)
-    combine_grad: Any | None = None  # dispatch half carries dy (dp_size 1, worst case)
+    dispatch_grad: Any | None = None  # combine half carries d x (forward token_replicas, rows)
+    combine_grad: Any | None = None  # dispatch half carries dy (token_replicas 1, worst case)
     # fwd dequantizes fp8 rows in its receive kernel (recv_dequantizes, at the handle's birth)
     recv_dequantize: bool = False
 
@@ -358,7 +358,7 @@ dispatch_recv = jax.jit(_dispatch_recv, static_argnums=(0, 1))
 def dispatch_grad(plan: Plan, ct_expert_x, routing, counts, indices, num_tokens):
     """d x: every copy's cotangent summed back to its token, over the combine half of the
     dispatch_grad handle with the forward routing; weights 1 on the slots this rank sent, 0
-    elsewhere (its DP partners get theirs), so the sum runs in f32 and adds nothing twice."""
+    elsewhere (its replicas get theirs), so the sum runs in f32 and adds nothing twice."""
     cfg, backend = plan.cfg, plan.dispatch_grad
     ct = _zero_past(plan.rows.live(counts), ct_expert_x.astype(jnp.float32))
     ct, routing, indices, num_tokens = no_vmap("dispatch (backward)", ct, routing, indices,
@@ -450,11 +450,11 @@ combine_recv = jax.jit(_combine_recv, static_argnums=(0,))  # staged, as dispatc
 def combine_grad(plan: Plan, dy, routing, indices, weights, num_tokens):
     """d expert_y f32 in the forward's layout ([L, P, H] or [recv_rows, H]): dy dispatched
     (bf16, with the forward's routing and weights) on the dispatch half of the combine_grad
-    handle (dp_size 1: every DP member sends its own dy; worst-case rows: none dropped), each
-    arriving row scaled by its weight, then moved to the forward row with the same (group,
+    handle (token_replicas 1: every member sends its own dy; worst-case rows: none dropped),
+    each arriving row scaled by its weight, then moved to the forward row with the same (group,
     token, slot) key. Row order differs between two dispatches on the nvshmem backend, hence
-    the keys; a forward row gets one arriving row per member of its token's DP group, summed
-    in f32. Keys are unique on a rank across its experts, so one flat table matches them."""
+    the keys; a forward row gets one arriving row per member of its token's group, summed in
+    f32. Keys are unique on a rank across its experts, so one flat table matches them."""
     cfg, backend = plan.cfg, plan.combine_grad
     dy, indices, num_tokens, weights = no_vmap("combine (backward)", dy.astype(jnp.bfloat16),
                                                indices, num_tokens, weights)
@@ -463,7 +463,7 @@ def combine_grad(plan: Plan, dy, routing, indices, weights, num_tokens):
     keys_b = backend.row_keys(routing_b).reshape(-1)  # groups of the dp-1 handle = ranks
     keys_f = plan.fwd.row_keys(routing)  # forward layout, -1 where no row
     rows, ew = rows.reshape(keys_b.shape + rows.shape[-1:]), ew.reshape(-1)
-    dp, span = cfg.dp_size, cfg.max_num_tokens * cfg.experts_per_token
+    dp, span = cfg.token_replicas, cfg.max_num_tokens * cfg.experts_per_token
     space = cfg.world_size * span  # every key of the dp-1 handle
     slot_of = jnp.full((space,), -1, jnp.int32).at[jnp.where(keys_b >= 0, keys_b, space)].set(
         jnp.arange(keys_b.shape[0], dtype=jnp.int32), mode="drop")

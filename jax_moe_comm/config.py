@@ -47,6 +47,30 @@ def check_capacity_factor(capacity_factor) -> float:
     return float(capacity_factor)
 
 
+def refuse_renamed(**renamed):
+    """Class decorator: a keyword argument in `renamed` (old name -> what to pass now) raises a
+    TypeError saying what replaced it, instead of Python's bare "unexpected keyword"."""
+    def wrap(cls):
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            for old, new in renamed.items():
+                if old in kwargs:
+                    raise TypeError(f"{cls.__name__}({old}=...) is gone: pass {new}")
+            init(self, *args, **kwargs)
+
+        cls.__init__ = __init__
+        return cls
+    return wrap
+
+
+# MoEConfig and MoELayerConfig: one name for ranks holding the same tokens.
+DP_SIZE_RENAMED = {"dp_size": "token_replicas (pplx-kernels' dp_size: how many consecutive "
+                              "ranks hold the same tokens)"}
+
+
+@refuse_renamed(**DP_SIZE_RENAMED)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoEConfig:
     """Static shape of one expert-parallel all-to-all.
@@ -61,8 +85,7 @@ class MoEConfig:
         tensor-parallel ranks of one model replica). 1, the usual case, means every rank holds
         its own tokens, as the ranks of a JAX data-parallel axis do. With R > 1, ranks
         [g*R, (g+1)*R) hold identical x/indices/weights, split the sending between them and
-        all receive the combined y. (pplx-kernels calls this dp_size; `dp_size=` is accepted
-        as an alias.)
+        all receive the combined y. (pplx-kernels calls this dp_size.)
     dispatch_dtype: bf16, or float8_e4m3fn with f32 block scales [max_m, H/128].
     combine_dtype: dtype of expert_y (bf16 or f32); y is always bf16.
     """
@@ -120,16 +143,9 @@ class MoEConfig:
         return self.num_experts // self.world_size
 
     @property
-    def dp_size(self) -> int:
-        """pplx-kernels' name of token_replicas."""
-        return self.token_replicas
-
-    @property
     def num_token_groups(self) -> int:
         """Groups of ranks with distinct tokens: world_size / token_replicas."""
         return self.world_size // self.token_replicas
-
-    num_dp_groups = num_token_groups  # pplx-kernels' name
 
     @property
     def max_recv_tokens(self) -> int:
@@ -178,23 +194,6 @@ class MoEConfig:
     def num_scales(self) -> int:
         """f32 block scales per token row (0 for bf16 dispatch)."""
         return math.ceil(self.hidden / SCALE_BLOCK) if self.is_fp8 else 0
-
-
-_dataclass_init = MoEConfig.__init__
-
-
-@functools.wraps(_dataclass_init)
-def _init_with_alias(self, *, dp_size: int | None = None, **kwargs):
-    if dp_size is not None:
-        if kwargs.get("token_replicas", dp_size) != dp_size:
-            raise ValueError(f"dp_size={dp_size} and token_replicas="
-                             f"{kwargs['token_replicas']} disagree; dp_size is the old name of "
-                             "token_replicas: pass only token_replicas")
-        kwargs["token_replicas"] = dp_size
-    _dataclass_init(self, **kwargs)
-
-
-MoEConfig.__init__ = _init_with_alias
 
 
 TRANSPORTS = ("auto", "staged")

@@ -32,7 +32,8 @@ def handle_lines(a2a, requested: str) -> list[str]:
     lines = [
         f"AllToAll #{a2a._serial}: backend {a2a.backend_name} ({why})",
         f"  experts {cfg.num_experts} (top-{cfg.experts_per_token}) over {cfg.world_size} ranks"
-        f" (dp {cfg.dp_size}), hidden {cfg.hidden}, max_num_tokens {cfg.max_num_tokens}",
+        f" (token_replicas {cfg.token_replicas}), hidden {cfg.hidden},"
+        f" max_num_tokens {cfg.max_num_tokens}",
         f"  dtypes: dispatch {cfg.dispatch_dtype.name}, combine {cfg.combine_dtype.name}",
         f"  layout {a2a.layout}, capacity "
         + (f"max_recv_rows={a2a.max_recv_rows} of {cfg.max_recv_total} worst case"

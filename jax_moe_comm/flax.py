@@ -53,9 +53,10 @@ from jax.sharding import PartitionSpec as P
 from . import router as rtr
 from . import sizes
 from .api import AllToAll, _current_trace, _under_trace
+from .config import refuse_renamed
 from .errors import ProtocolError
 from .moe import (SHARED_EXPERT_RENAMED, MoELayerConfig, dense_experts_and_shared,
-                  experts_and_shared, param_shapes, refuse_renamed)
+                  experts_and_shared, param_shapes)
 
 EXPERT_PARAMS = ("w_in", "w_out")  # sharded over the expert axis along experts
 LOGICAL_AXES = {"router": ("embed", None), "w_in": ("expert", "embed", "mlp"),

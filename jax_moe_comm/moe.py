@@ -41,7 +41,6 @@ are optimization barriers: the same values, no overlap.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -51,30 +50,12 @@ from . import activation as act
 from . import expert_gemm as gemm
 from . import quant
 from .api import LAYOUTS, OVERFLOWS, AllToAll, order_after
-from .config import MoEConfig, check_capacity_factor
+from .config import DP_SIZE_RENAMED, MoEConfig, check_capacity_factor, refuse_renamed
 
 # The fp8 block quantization now lives in quant.py (dispatch quantizes bf16 x itself).
 FP8_MAX = quant.FP8_MAX
 quantize_fp8, dequantize_fp8 = quant.quantize, quant.dequantize
 f32, bf16 = jnp.float32, jnp.bfloat16
-
-
-def refuse_renamed(**renamed):
-    """Class decorator: a keyword argument in `renamed` (old name -> what to pass now) raises a
-    TypeError saying what replaced it, instead of Python's bare "unexpected keyword"."""
-    def wrap(cls):
-        init = cls.__init__
-
-        @functools.wraps(init)
-        def __init__(self, *args, **kwargs):
-            for old, new in renamed.items():
-                if old in kwargs:
-                    raise TypeError(f"{cls.__name__}({old}=...) is gone: pass {new}")
-            init(self, *args, **kwargs)
-
-        cls.__init__ = __init__
-        return cls
-    return wrap
 
 
 SHARED_EXPERT_RENAMED = dict(shared_expert="num_shared_experts=1 (was True) or 0 (was False)")
@@ -84,7 +65,7 @@ def _is_int(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
-@refuse_renamed(**SHARED_EXPERT_RENAMED)
+@refuse_renamed(**SHARED_EXPERT_RENAMED, **DP_SIZE_RENAMED)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoELayerConfig:
     num_experts: int = 32
@@ -100,7 +81,7 @@ class MoELayerConfig:
     # up [F:2F]; False: y = silu(x @ w_in) @ w_out, w_in [E, H, F].
     gated: bool = False
     fp8_dispatch: bool = False
-    dp_size: int = 1  # ranks per DP group (they hold the same tokens)
+    token_replicas: int = 1  # consecutive ranks holding the same tokens (MoEConfig's)
     # how the expert MLPs' GEMMs run: expert_gemm.OPTIONS ("auto": fastest on the platform)
     expert_gemm: str = "auto"
     # The handle's capacity as a multiple of the mean load under uniform routing: packed rows
@@ -163,7 +144,7 @@ class MoELayerConfig:
     def comm_config(self, world_size: int) -> MoEConfig:
         return MoEConfig(num_experts=self.num_experts, experts_per_token=self.experts_per_token,
                          hidden=self.hidden, max_num_tokens=self.max_num_tokens,
-                         world_size=world_size, dp_size=self.dp_size,
+                         world_size=world_size, token_replicas=self.token_replicas,
                          dispatch_dtype=jnp.float8_e4m3fn if self.fp8_dispatch else jnp.bfloat16)
 
     def handle_kwargs(self, world_size: int, layout: str) -> dict:

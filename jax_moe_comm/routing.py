@@ -123,18 +123,19 @@ def destination(cfg: MoEConfig, indices):
 
 
 def sent_slots(cfg: MoEConfig, indices, num_tokens, rank):
-    """Mask of the valid slots that `rank` itself sends: in a DP group (dp_size > 1) the slot
-    to rank d is sent by the member with d % dp == rank % dp, so each is sent exactly once."""
-    dst = destination(cfg, indices)
-    return valid_slots(cfg, indices, num_tokens) & (dst % cfg.dp_size == rank % cfg.dp_size)
+    """Mask of the valid slots that `rank` itself sends: in a token group (token_replicas R > 1)
+    the slot to rank d is sent by the member with d % R == rank % R, so each is sent exactly
+    once."""
+    dst, r = destination(cfg, indices), cfg.token_replicas
+    return valid_slots(cfg, indices, num_tokens) & (dst % r == rank % r)
 
 
 def row_key(cfg: MoEConfig, group, token, slot):
-    """Key of the expert row of (source DP group, token, slot): (group*max_m + token)*k + slot.
+    """Key of the expert row of (source token group, token, slot): (group*max_m + token)*k + slot.
 
     Every backend's row_keys() uses this packing (the CUDA kernels' pack_source), so the rows of
     two dispatches with the same routing can be matched, even between handles of different
-    dp_size (a dp_size=1 handle's group is the sending rank).
+    token_replicas (a token_replicas=1 handle's group is the sending rank).
     """
     return (group * cfg.max_num_tokens + token) * cfg.experts_per_token + slot
 

@@ -38,11 +38,11 @@ def expert_factor(cfg: MoEConfig) -> np.ndarray:
 
 def make_inputs(cfg: MoEConfig, seed: int, routing: str = "random",
                 ragged: bool = True) -> Inputs:
-    """Inputs of every rank. Ranks of one DP group hold the same tokens."""
+    """Inputs of every rank. Ranks of one token group hold the same tokens."""
     if routing not in ROUTINGS:
         raise ValueError(f"routing={routing!r}; expected one of {ROUTINGS}")
     rng = np.random.default_rng(seed)
-    G, dp, m, k, H, E = (cfg.num_dp_groups, cfg.dp_size, cfg.max_num_tokens,
+    G, dp, m, k, H, E = (cfg.num_token_groups, cfg.token_replicas, cfg.max_num_tokens,
                          cfg.experts_per_token, cfg.hidden, cfg.num_experts)
     x = rng.standard_normal((G, m, H)).astype(np.float32)
     x_scale = None
@@ -87,9 +87,9 @@ def dequantize(x: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
 
 def expected_rows(cfg: MoEConfig, inp: Inputs, rank: int) -> dict[int, collections.Counter]:
     """Per local expert of `rank`: the multiset of (group, token) it must receive."""
-    L, dp = cfg.num_local_experts, cfg.dp_size
+    L, dp = cfg.num_local_experts, cfg.token_replicas
     want = {e: collections.Counter() for e in range(L)}
-    for g in range(cfg.num_dp_groups):
+    for g in range(cfg.num_token_groups):
         src = g * dp  # any member: the group holds the same tokens
         for t in range(inp.num_tokens[src]):
             seen = set()
@@ -115,7 +115,7 @@ def check_dispatch(cfg: MoEConfig, inp: Inputs, rank: int, expert_x, expert_x_sc
     for e in range(cfg.num_local_experts):
         expected = collections.Counter()
         for (g, t), n in want[e].items():
-            src = g * cfg.dp_size
+            src = g * cfg.token_replicas
             sc = None if inp.x_scale is None else inp.x_scale[src, t]
             expected[key(inp.x[src, t], sc)] += n
         got = collections.Counter(
@@ -174,10 +174,10 @@ def combine_wrong(cfg: MoEConfig, y, x, ids, w, nt) -> jax.Array:
 
 def without_slots(cfg: MoEConfig, inp: Inputs, keys) -> Inputs:
     """inp with the slots of `keys` (routing.row_key(group, token, slot); -1 entries ignored)
-    routed nowhere on every member of their DP group, with the slots of the token that name
+    routed nowhere on every member of their token group, with the slots of the token that name
     the same expert (they were one row): the oracle's inputs for a dispatch whose capacity
     dropped those rows (backend.row_keys(routing, dropped=True))."""
-    m, k, dp = cfg.max_num_tokens, cfg.experts_per_token, cfg.dp_size
+    m, k, dp = cfg.max_num_tokens, cfg.experts_per_token, cfg.token_replicas
     indices = inp.indices.copy()
     for key in np.asarray(keys).reshape(-1):
         if key < 0:
@@ -367,7 +367,7 @@ def run_and_check(a2a: AllToAll, mesh, inp: Inputs, split: bool = False, step=No
 # loss = sum over ranks r of <G_r, y_r> for y = combine(f(dispatch(x))), f_e(x) = c_e * x:
 # dy_r = G_r, and the gradients have closed forms (expected_grads).
 def loss_cotangent(cfg: MoEConfig, seed: int) -> np.ndarray:
-    """G [EP, max_m, H] f32: every rank's cotangent of y (different on DP partners), bf16
+    """G [EP, max_m, H] f32: every rank's cotangent of y (different on replicas), bf16
     values (y is bf16, so its cotangent is rounded to bf16 before the rules see it)."""
     rng = np.random.default_rng(seed + 7)
     G = rng.standard_normal((cfg.world_size, cfg.max_num_tokens, cfg.hidden))
@@ -377,7 +377,7 @@ def loss_cotangent(cfg: MoEConfig, seed: int) -> np.ndarray:
 def differentiable_x(cfg: MoEConfig, inp: Inputs) -> np.ndarray:
     """bf16 x [EP, max_m, H] of the differentiable path (fp8 handles quantize it inside).
     For fp8 the dequantised test values are moved off their fp8 grid (a smooth function of
-    the value, so DP partners still hold the same x): requantizing grid values on a new
+    the value, so replicas still hold the same x): requantizing grid values on a new
     scale makes many exact rounding ties."""
     x = dequantize(inp.x, inp.x_scale).astype(np.float32)
     if cfg.is_fp8:
@@ -407,11 +407,11 @@ def expected_grads(cfg: MoEConfig, inp: Inputs, x_bf16: np.ndarray, G: np.ndarra
     """(d x [max_m, H], d weights [max_m, k]) of rank `rank`, float64.
 
     A repeated expert is one row with the summed weight; d weights of each of its slots is the
-    gradient of that sum. In a DP group the expert row's cotangent sums every member's
+    gradient of that sum. In a token group the expert row's cotangent sums every member's
     w * G, and d x of a slot lands on the member that sent it (dst % dp == rank % dp).
     """
     c = expert_factor(cfg)
-    dp, L, k = cfg.dp_size, cfg.num_local_experts, cfg.experts_per_token
+    dp, L, k = cfg.token_replicas, cfg.num_local_experts, cfg.experts_per_token
     group = range((rank // dp) * dp, (rank // dp + 1) * dp)
     xd = dispatched_x(cfg, x_bf16[rank])
     dx = np.zeros((cfg.max_num_tokens, cfg.hidden))
@@ -424,7 +424,7 @@ def expected_grads(cfg: MoEConfig, inp: Inputs, x_bf16: np.ndarray, G: np.ndarra
             row = (c[e] * xd[t]).astype(np.float32).astype(cfg.combine_dtype)
             dw[t, j] = np.dot(G[rank, t].astype(np.float64), row.astype(np.float64))
             if list(idx).index(e) != j or (e // L) % dp != rank % dp:
-                continue  # repeated slot (sent once), or sent by a DP partner
+                continue  # repeated slot (sent once), or sent by a replica
             same = idx == e
             ct = sum(inp.weights[d, t][same].sum() * G[d, t].astype(np.float64) for d in group)
             dx[t] += c[e] * ct
@@ -627,10 +627,10 @@ def _dense_layer_grads_fn(cfg):
 
 
 def layer_grad_inputs(cfg, world: int, seed: int, drop_rate: float = 0.0, ragged: bool = True):
-    """x bf16, num_tokens, G f32 and drop mask for every rank ([EP, ...]; DP partners equal,
+    """x bf16, num_tokens, G f32 and drop mask for every rank ([EP, ...]; replicas equal,
     except G: each member has its own output cotangent)."""
     rng = np.random.default_rng(seed)
-    dp, m = cfg.dp_size, cfg.max_num_tokens
+    dp, m = cfg.token_replicas, cfg.max_num_tokens
     G_ = world // dp
     x = rng.standard_normal((G_, m, cfg.hidden)).astype(jnp.bfloat16)
     nt = (rng.integers(1, m + 1, G_) if ragged else np.full(G_, m)).astype(np.int32)
@@ -641,10 +641,10 @@ def layer_grad_inputs(cfg, world: int, seed: int, drop_rate: float = 0.0, ragged
 
 
 def compare_layer_grads(moe_grads, moe_dx, dense_grads, dense_dx, ranks, experts_per_rank,
-                        dp_size: int = 1, rtol: float = 3e-2) -> float:
+                        token_replicas: int = 1, rtol: float = 3e-2) -> float:
     """Asserts the MoE gradients of `ranks` against the dense ones within bf16 tolerance
     (relative to each tensor's largest dense value); returns the worst relative error.
-    moe_* map rank -> that rank's block. With dp_size > 1, d x is compared only when every
+    moe_* map rank -> that rank's block. With token_replicas > 1, d x is compared only when every
     member of a group is in `ranks`, summed over the group (the members split the expert
     path of d x between them: the slot's sender gets it)."""
     worst, bad = 0.0, []
@@ -667,9 +667,9 @@ def compare_layer_grads(moe_grads, moe_dx, dense_grads, dense_dx, ranks, experts
                 want = dg[name][rank * L:(rank + 1) * L] if name in ("w_in", "w_out") \
                     else dg[name][rank]
                 close(f"layer {layer} rank {rank} d {name}", g, want)
-    groups = sorted({r // dp_size for r in ranks})
+    groups = sorted({r // token_replicas for r in ranks})
     for g in groups:
-        members = range(g * dp_size, (g + 1) * dp_size)
+        members = range(g * token_replicas, (g + 1) * token_replicas)
         if all(r in ranks for r in members):
             close(f"group {g} d x", sum(np.asarray(moe_dx[r], np.float64) for r in members),
                   sum(np.asarray(dense_dx[r], np.float64) for r in members))

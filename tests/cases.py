@@ -23,5 +23,5 @@ class Case:
 
     def cfg(self):
         return MoEConfig(num_experts=self.E, experts_per_token=self.k, hidden=self.H,
-                         max_num_tokens=self.m, world_size=self.ep, dp_size=self.dp,
+                         max_num_tokens=self.m, world_size=self.ep, token_replicas=self.dp,
                          dispatch_dtype=self.dtype, combine_dtype=self.out)

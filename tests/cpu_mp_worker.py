@@ -19,7 +19,7 @@ ep = len(jax.devices())
 assert ep == 4 * world, jax.devices()
 for dp, dtype in ((1, jnp.bfloat16), (2, jnp.float8_e4m3fn)):
     cfg = MoEConfig(num_experts=2 * ep, experts_per_token=3, hidden=256, max_num_tokens=8,
-                    world_size=ep, dp_size=dp, dispatch_dtype=dtype)
+                    world_size=ep, token_replicas=dp, dispatch_dtype=dtype)
     a2a = AllToAll(cfg)
     mesh = T.make_mesh(ep)
     step = T.make_step(a2a, mesh)

@@ -70,8 +70,8 @@ def layer_cases():
            ("3-layers", MoELayerConfig(**base), 0.1, 3, False),
            ("3-layers-remat", MoELayerConfig(**base), 0.1, 3, True),
            ("3-layers-remat-saving-a2a", MoELayerConfig(**base), 0.1, 3, "save_a2a")]
-    if WORLD % 2 == 0:  # parameter gradients only: d x is split between the DP partners
-        out.append(("dp2", MoELayerConfig(**base, dp_size=2), 0.1, 1, False))
+    if WORLD % 2 == 0:  # parameter gradients only: d x is split between the replicas
+        out.append(("dp2", MoELayerConfig(**base, token_replicas=2), 0.1, 1, False))
     # tokamax's grouped GEMM differentiated through grouped_vjp (its own VJP gave weight
     # gradients 0.5 wrong past 128 rows): groups of ~128 rows per expert, the regime it failed
     big = dict(num_experts=2 * WORLD, experts_per_token=4, hidden=256, ffn=512,
@@ -168,7 +168,7 @@ def main() -> int:
                                             step=step)
                     dense = T.dense_layer_grads(cfg, params, x, nt, G, drop)
                     worst = max(worst, T.compare_layer_grads(*moe, *dense, [RANK], L,
-                                                             cfg.dp_size))
+                                                             cfg.token_replicas))
                 a2a.check()
             return f"max |moe - dense| / max |dense| = {worst:.3g}"
 

@@ -120,8 +120,8 @@ def gather_global(tag: str, arr: jax.Array) -> np.ndarray:
 
 
 def small_configs(world: int) -> list[tuple[str, MoEConfig]]:
-    """The GPU suites' small layer shapes: tiny bf16, fp8 with scales, and (even worlds) DP
-    groups of 2 with an f32 combine."""
+    """The GPU suites' small layer shapes: tiny bf16, fp8 with scales, and (even worlds) token
+    groups of 2 (token_replicas=2) with an f32 combine."""
     fp8, f32 = jnp.float8_e4m3fn, jnp.float32
     out = [("tiny-bf16", MoEConfig(num_experts=max(8, world), experts_per_token=2, hidden=128,
                                    max_num_tokens=4, world_size=world)),
@@ -131,5 +131,5 @@ def small_configs(world: int) -> list[tuple[str, MoEConfig]]:
     if world % 2 == 0:
         out.append(("dp2-bf16-f32", MoEConfig(num_experts=4 * world, experts_per_token=3,
                                               hidden=512, max_num_tokens=8, world_size=world,
-                                              dp_size=2, combine_dtype=f32)))
+                                              token_replicas=2, combine_dtype=f32)))
     return out

@@ -41,7 +41,7 @@ SPEC = P("ep")
 
 def small_config(dp: int = 1, **kw) -> MoEConfig:
     args = dict(num_experts=4 * WORLD, experts_per_token=min(4, 4 * WORLD), hidden=256,
-                max_num_tokens=16, world_size=WORLD, dp_size=dp)
+                max_num_tokens=16, world_size=WORLD, token_replicas=dp)
     args.update(kw)
     return MoEConfig(**args)
 
@@ -84,7 +84,7 @@ def spin(n, after):
 
 
 def random_cycle_inputs(cfg: MoEConfig, key, group):
-    """One DP group's tokens for one cycle (every member of the group draws the same)."""
+    """One token group's tokens for one cycle (every member of the group draws the same)."""
     m, H, E, k = cfg.max_num_tokens, cfg.hidden, cfg.num_experts, cfg.experts_per_token
     kx, ke, kh, kw, kn = jax.random.split(jax.random.fold_in(key, group), 5)
     x = jax.random.normal(kx, (m, H), jnp.float32).astype(jnp.bfloat16)
@@ -103,7 +103,7 @@ def make_loop(a2a: AllToAll, mesh, cycles: int, max_spin: int, mode: str = "spli
     cfg = a2a.config
 
     def one_cycle(key, rank, fused):
-        group = rank // cfg.dp_size
+        group = rank // cfg.token_replicas
         x, ids, w, nt = random_cycle_inputs(cfg, key, group)
         d1, d2 = jax.random.randint(jax.random.fold_in(key, 7919 + rank), (2,), 0, max_spin)
         if fused:
@@ -135,7 +135,7 @@ def make_loop(a2a: AllToAll, mesh, cycles: int, max_spin: int, mode: str = "spli
         return jax.lax.fori_loop(0, cycles, cycle, jnp.zeros_like(seed))
 
     fn = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=SPEC, out_specs=SPEC))
-    # One base seed on every rank: the members of a DP group must draw the same tokens.
+    # One base seed on every rank: the members of a token group must draw the same tokens.
     seeds = jax.make_array_from_callback((WORLD,), jax.sharding.NamedSharding(mesh, SPEC),
                                          lambda idx: np.zeros(WORLD, np.int32)[idx])
     return lambda seed=0: fn(seeds + seed)

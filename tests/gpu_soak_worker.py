@@ -46,7 +46,7 @@ def hash32(x):
 
 
 def cycle_inputs(cfg: MoEConfig, cycle, group):
-    """Tokens of one DP group for one cycle, from the cycle number: x [m, H] bf16, k distinct
+    """Tokens of one token group for one cycle, from the cycle number: x [m, H] bf16, k distinct
     experts per token spread over the ranks with ~15 % of the slots dropped (-1), weights in
     [0.1, 1), and a token count in [0, m]."""
     m, H, E, k = cfg.max_num_tokens, cfg.hidden, cfg.num_experts, cfg.experts_per_token
@@ -76,7 +76,7 @@ def make_calls(split: AllToAll, fused: AllToAll, mesh, per_call: int, unroll: in
         # XLA:CPU ran the next cycles' sends before this one's receive, which the reference
         # backend's protocol check refuses; order_after on x did not keep them in order there).
         cycle = cycle + (after[0] >> 30)
-        x, ids, w, nt = cycle_inputs(cfg, cycle, rank // cfg.dp_size)
+        x, ids, w, nt = cycle_inputs(cfg, cycle, rank // cfg.token_replicas)
         if ops_split:
             out = a2a.dispatch_recv(a2a.dispatch_send(x, ids, nt))
             ey = T.expert_outputs(cfg, rank, out.expert_x, None)

@@ -152,7 +152,7 @@ def main() -> int:
             inp = T.make_inputs(tiny, 5, "bad_index")
             step = T.make_step(a2a, mesh)
             run_cycle(step, T.global_inputs(tiny, mesh, inp), RANK)
-            holds_bad_token = RANK // tiny.dp_size == 0
+            holds_bad_token = RANK // tiny.token_replicas == 0
             # The rank holding the bad token raises InvalidRoutingError; its abort word makes
             # every other rank raise PeerAbortedError naming it.
             try:

@@ -209,7 +209,7 @@ def test_padded_reference_drops_each_experts_last_rows_in_key_order():
     assert kept.shape[2] == a2a.expert_capacity and dropped.shape[1] == cfg.max_recv_total
 
     def expert(key):  # the global expert of a key's slot (dp 2: group g is ranks 2g, 2g+1)
-        return inp.indices[key // (m * k) * cfg.dp_size, key // k % m, key % k]
+        return inp.indices[key // (m * k) * cfg.token_replicas, key // k % m, key % k]
 
     seen = 0
     for r in range(cfg.world_size):

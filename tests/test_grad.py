@@ -202,7 +202,8 @@ RULE_CASES = [(EP8, "random", False), (EP8_DP2, "duplicates", True), (EP4_FP8, "
 def test_rules_match_plain_autodiff_and_oracle(case, routing, split):
     """d x and d weights of sum <G, combine(c_e * dispatch(x))>: the rules (fused or split
     API), plain-JAX autodiff of the reference backend, and the numpy oracle all agree; -1
-    slots, repeated experts, ragged num_tokens, empty ranks, DP partners with different G."""
+    slots, repeated experts, ragged num_tokens, empty ranks, replicas (token_replicas 2) with
+    different G."""
     cfg = case.cfg()
     a2a = AllToAll(cfg, differentiable=True)
     mesh = T.make_mesh(case.ep)
@@ -263,7 +264,7 @@ def test_packed_rules_with_a_capacity_match_plain_autodiff_and_oracle(case, rout
                            differentiable=True)
     plan = a2a._plan
     # The backward dispatch of dy must drop nothing: its own worst-case handle.
-    assert (plan.combine_grad is plan.dispatch_grad) == (cfg.dp_size == 1 and factor is None)
+    assert (plan.combine_grad is plan.dispatch_grad) == (cfg.token_replicas == 1 and factor is None)
     assert plan.combine_grad.recv_rows == plan.combine_grad.cfg.max_recv_total
     assert plan.dispatch_grad.recv_rows == C
     _rules_with_drops_match_oracle_and_plain_autodiff(a2a, case, routing)
@@ -288,7 +289,7 @@ def test_padded_rules_with_an_expert_capacity_match_plain_autodiff_and_oracle(ca
     plan = a2a._plan
     assert plan.rows == autodiff.Rows(False, P_)
     # The backward dispatch of dy must drop nothing: its own worst-case handle.
-    assert (plan.combine_grad is plan.dispatch_grad) == (cfg.dp_size == 1 and factor is None)
+    assert (plan.combine_grad is plan.dispatch_grad) == (cfg.token_replicas == 1 and factor is None)
     assert plan.combine_grad.expert_capacity == plan.combine_grad.cfg.max_recv_tokens
     assert plan.dispatch_grad.expert_capacity == P_
     _rules_with_drops_match_oracle_and_plain_autodiff(a2a, case, routing, split)
@@ -361,10 +362,10 @@ LAYER = dict(num_experts=16, experts_per_token=4, hidden=128, ffn=256, max_num_t
 LAYER_CASES = {
     "plain": (MoELayerConfig(**LAYER), 0.0, 1, False),
     "dropped-slots": (MoELayerConfig(**LAYER), 0.25, 1, False),
-    "dp2": (MoELayerConfig(**LAYER, dp_size=2), 0.15, 1, False),
+    "dp2": (MoELayerConfig(**LAYER, token_replicas=2), 0.15, 1, False),
     "fp8": (MoELayerConfig(**{**LAYER, "hidden": 256}, fp8_dispatch=True), 0.15, 1, False),
     "fp8-dp2-no-shared": (MoELayerConfig(**{**LAYER, "hidden": 256}, fp8_dispatch=True,
-                                         dp_size=2, num_shared_experts=0), 0.1, 1, False),
+                                         token_replicas=2, num_shared_experts=0), 0.1, 1, False),
     "gated-2-shared": (MoELayerConfig(**LAYER, gated=True, num_shared_experts=2, shared_ffn=64),
                        0.15, 1, False),
     "2-layers-remat": (MoELayerConfig(**LAYER), 0.1, 2, True),
@@ -385,7 +386,7 @@ def test_layer_gradients_equal_dense(name):
     """Every parameter's and the input's gradient of the demo layer (router through top-k
     and combine's weights, experts through dispatch/combine, shared experts through both
     flights' windows) equals the dense layer's within bf16 tolerance: -1 slots, ragged
-    num_tokens, DP partners, fp8 dispatch (straight through the quantization), gated experts
+    num_tokens, token replicas, fp8 dispatch (straight through the quantization), gated experts
     with two shared ones, stacked layers under jax.checkpoint."""
     cfg, drop_rate, layers, remat = LAYER_CASES[name]
     world = 8
@@ -396,7 +397,7 @@ def test_layer_gradients_equal_dense(name):
     assert (nt < cfg.max_num_tokens).any() and (drop.any() or drop_rate == 0)
     moe = T.run_layer_grads(a2a, cfg, mesh, params, x, nt, G, drop, remat, step=step)
     dense = T.dense_layer_grads(cfg, params, x, nt, G, drop)
-    T.compare_layer_grads(*moe, *dense, range(world), cfg.num_experts // world, cfg.dp_size)
+    T.compare_layer_grads(*moe, *dense, range(world), cfg.num_experts // world, cfg.token_replicas)
 
 
 def test_remat_policy_keeps_the_all_to_alls_out_of_the_recomputation():
@@ -539,7 +540,7 @@ def test_layer_gradients_on_the_packed_layout_equal_dense(name):
     x, nt, G, drop = T.layer_grad_inputs(cfg, world, 6, drop_rate)
     moe = T.run_layer_grads(a2a, cfg, mesh, params, x, nt, G, drop)
     dense = T.dense_layer_grads(cfg, params, x, nt, G, drop)
-    T.compare_layer_grads(*moe, *dense, range(world), cfg.num_experts // world, cfg.dp_size)
+    T.compare_layer_grads(*moe, *dense, range(world), cfg.num_experts // world, cfg.token_replicas)
 
 
 # -- padding, expert_weights ----------------------------------------------------------------
@@ -601,7 +602,7 @@ def test_dispatch_returns_each_rows_router_weight():
     for e in range(cfg.num_experts):
         for r in range(counts[e]):
             g, t, j = keys[e, r] // (m * k), keys[e, r] // k % m, keys[e, r] % k
-            src = g * cfg.dp_size
+            src = g * cfg.token_replicas
             same = inp.indices[src, t] == inp.indices[src, t, j]
             assert inp.indices[src, t, j] == e
             np.testing.assert_allclose(ew[e, r], inp.weights[src, t][same].sum(), rtol=1e-6)

@@ -43,7 +43,7 @@ LAYERS = {  # the MoE layer of moe.py at several shapes
     "EP8-k4": MoELayerConfig(num_experts=16, experts_per_token=4, hidden=128, ffn=256,
                              max_num_tokens=8),
     "EP8-dp2": MoELayerConfig(num_experts=16, experts_per_token=3, hidden=128, ffn=128,
-                              max_num_tokens=8, dp_size=2),
+                              max_num_tokens=8, token_replicas=2),
     "EP8-fp8-k=L": MoELayerConfig(num_experts=16, experts_per_token=2, hidden=256, ffn=128,
                                   max_num_tokens=4, fp8_dispatch=True, num_shared_experts=0),
     # gated experts (w_in [E, H, 2F]) with 0, 1 and 2 shared experts: the fused combine, and
@@ -69,9 +69,9 @@ def test_packed_layer_equals_padded_layer_and_dense(name):
     mesh = T.make_mesh(world)
     params = init_params(cfg, 1)
     rng = np.random.default_rng(2)
-    m, dp = cfg.max_num_tokens, cfg.dp_size
+    m, dp = cfg.max_num_tokens, cfg.token_replicas
     x = np.repeat(rng.standard_normal((world // dp, m, cfg.hidden)), dp, axis=0)
-    x = x.reshape(world * m, cfg.hidden).astype(bf16)  # DP partners hold the same tokens
+    x = x.reshape(world * m, cfg.hidden).astype(bf16)  # replicas hold the same tokens
     nt = np.repeat(rng.integers(1, m + 1, world // dp), dp).astype(np.int32)
     ep, rep = NamedSharding(mesh, P("ep")), NamedSharding(mesh, P())
     pspec = {k: P("ep") if k in ("w_in", "w_out") else P() for k in params}

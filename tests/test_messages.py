@@ -199,14 +199,13 @@ def test_bad_index_in_padding_rows_is_ignored_and_check_forgets_after_raising():
 
 
 # 11. names
-def test_token_replicas_is_the_clear_name_and_dp_size_an_alias():
+def test_token_replicas_is_the_one_name_and_the_doc_names_pplx_dp_size():
     a = MoEConfig(**BASE, token_replicas=2)
-    b = MoEConfig(**BASE, dp_size=2)
-    assert a == b and a.dp_size == 2 and a.num_token_groups == a.num_dp_groups == 4
-    with pytest.raises(ValueError, match="dp_size is the old name of token_replicas"):
-        MoEConfig(**BASE, dp_size=2, token_replicas=4)
+    assert a.token_replicas == 2 and a.num_token_groups == 4
+    with pytest.raises(TypeError, match="pass token_replicas"):  # test_validation: the rest
+        MoEConfig(**BASE, dp_size=2)
     assert "tokens *per rank*" in MoEConfig.__doc__
-    assert "token_replicas" in MoEConfig.__doc__ and "dp_size" in MoEConfig.__doc__
+    assert "token_replicas" in MoEConfig.__doc__ and "calls this dp_size" in MoEConfig.__doc__
 
 
 # The kernels' error records reach Python as the class their kind names (csrc/handle.cc writes

@@ -152,4 +152,4 @@ def test_recv_dequantize_keeps_differentiable_padding_zero(monkeypatch):
     moe = T.run_layer_grads(a2a, cfg, mesh, params, x, nt, G, drop)
     assert a2a.backend.fused_calls["dequantize"] >= 1
     dense = T.dense_layer_grads(cfg, params, x, nt, G, drop)
-    T.compare_layer_grads(*moe, *dense, range(world), cfg.num_experts // world, cfg.dp_size)
+    T.compare_layer_grads(*moe, *dense, range(world), cfg.num_experts // world, cfg.token_replicas)

@@ -34,9 +34,22 @@ def test_config_rejects_dtypes(field, dtype):
         MoEConfig(**BASE, **{field: dtype})
 
 
+def test_dp_size_is_refused_naming_token_replicas():
+    """pplx-kernels' dp_size is token_replicas here, the one name for it in both configs."""
+    from jax_moe_comm.moe import MoELayerConfig
+
+    for make in (lambda: MoEConfig(**BASE, dp_size=2), lambda: MoELayerConfig(dp_size=2)):
+        with pytest.raises(TypeError, match=r"\(dp_size=\.\.\.\) is gone: pass token_replicas "
+                                            r"\(pplx-kernels' dp_size"):
+            make()
+    assert MoELayerConfig(token_replicas=2).comm_config(8).token_replicas == 2
+    assert not hasattr(MoEConfig(**BASE), "dp_size")
+    assert not hasattr(MoEConfig(**BASE), "num_dp_groups")
+
+
 def test_config_derived_sizes():
-    cfg = MoEConfig(**BASE, dp_size=2, dispatch_dtype=jnp.float8_e4m3fn)
-    assert (cfg.num_local_experts, cfg.num_dp_groups, cfg.max_recv_tokens, cfg.num_scales) == \
+    cfg = MoEConfig(**BASE, token_replicas=2, dispatch_dtype=jnp.float8_e4m3fn)
+    assert (cfg.num_local_experts, cfg.num_token_groups, cfg.max_recv_tokens, cfg.num_scales) == \
         (2, 4, 32, 2)
 
 

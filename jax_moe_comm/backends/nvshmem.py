@@ -149,8 +149,9 @@ class NvshmemBackend:
 
         refusal = _gpu_problem(cfg)
         shape = (cfg.num_experts, cfg.experts_per_token, cfg.hidden, cfg.max_num_tokens,
-                 cfg.world_size, cfg.dp_size, cfg.dispatch_dtype.name, cfg.combine_dtype.name,
-                 layout, self.recv_rows or 0, self.expert_capacity or 0, overflow)
+                 cfg.world_size, cfg.token_replicas, cfg.dispatch_dtype.name,
+                 cfg.combine_dtype.name, layout, self.recv_rows or 0, self.expert_capacity or 0,
+                 overflow)
         settings = dict({k: os.environ.get(k, "") for k in PROTOCOL_ENV},
                         num_blocks=tuning.num_blocks, warps_per_block=tuning.warps_per_block,
                         transport=tuning.transport, node_size=tuning.node_size,
@@ -178,7 +179,7 @@ class NvshmemBackend:
         node_size = forced_node_size(tuning, cfg.world_size)
         handle, error = self._mod.create_handle(
             num_experts=cfg.num_experts, k=cfg.experts_per_token, hidden=cfg.hidden,
-            max_m=cfg.max_num_tokens, world=cfg.world_size, dp=cfg.dp_size,
+            max_m=cfg.max_num_tokens, world=cfg.world_size, dp=cfg.token_replicas,
             in_bytes=cfg.dispatch_dtype.itemsize, num_scales=cfg.num_scales,
             out_bytes=cfg.combine_dtype.itemsize, timeout_ns=int(timeout_s * 1e9),
             start_timeout_ns=int(start_timeout_s * 1e9),

@@ -11,7 +11,7 @@ the rows themselves and weights them at home. Rows of one expert come out ordere
 (source group, token, slot).
 
 Weighting with the receiver's weights is what the CUDA combine does (it weights at home);
-the two differ only when the members of a DP group pass different weights, and autodiff of
+the two differ only when the members of a token group pass different weights, and autodiff of
 this backend then gives each member the weight gradient of its own output (autodiff.py).
 
 layout="packed" scatters the rows straight to their packed position (expert 0's rows, then
@@ -194,17 +194,17 @@ class ReferenceBackend:
         return slots[None] & (destination(self.cfg, indices)[None] == ranks)
 
     def _outgoing_slots(self, indices, num_tokens):
-        """[EP, max_m, k] mask: this rank sends slot (t, j) to rank r (DP groups split it)."""
+        """[EP, max_m, k] mask: this rank sends slot (t, j) to rank r (token groups split it)."""
         rank = jax.lax.axis_index(self.axis_name)
         return self._to_ranks(indices, sent_slots(self.cfg, indices, num_tokens, rank))
 
     def _from_senders(self, table):
         """table [EP(src), ...] as received by an expert rank -> [EP(dest), ...]: for each
-        destination rank, the entry of the member of its DP group that sent to this rank."""
-        cfg = self.cfg
+        destination rank, the entry of the member of its token group that sent to this rank."""
+        cfg, r = self.cfg, self.cfg.token_replicas
         rank = jax.lax.axis_index(self.axis_name)
         dest = jnp.arange(cfg.world_size)
-        return table[(dest // cfg.dp_size) * cfg.dp_size + rank % cfg.dp_size]
+        return table[(dest // r) * r + rank % r]
 
     def _runtime_checks(self, indices, num_tokens):
         if not self.check_routing:
@@ -332,7 +332,7 @@ class ReferenceBackend:
         src = jnp.arange(cfg.world_size)[:, None, None]
         token = jnp.arange(cfg.max_num_tokens)[None, :, None]
         slot = jnp.arange(cfg.experts_per_token)[None, None, :]
-        keys = jnp.broadcast_to(row_key(cfg, src // cfg.dp_size, token, slot), ids.shape)
+        keys = jnp.broadcast_to(row_key(cfg, src // cfg.token_replicas, token, slot), ids.shape)
         keys = keys.astype(jnp.int32)
         if not dropped:
             out = jnp.full(self._rows_shape, -1, jnp.int32)
@@ -363,7 +363,7 @@ class ReferenceBackend:
         num_tokens = jnp.clip(num_tokens, 0, cfg.max_num_tokens)
         expert_y, (ids, pos), ticket = pending
         ids = ids + self._tick(hc.COMBINE_RECV, ticket, expert_y, indices)
-        # What this rank holds for each destination's tokens: the rows its DP group's
+        # What this rank holds for each destination's tokens: the rows its token group's
         # sender sent here ([EP(dest), max_m, k] local expert and row, -1 if none).
         ids, pos = self._from_senders(ids), self._from_senders(pos)
         live = jnp.arange(cfg.max_num_tokens)[:, None] < num_tokens
