@@ -572,8 +572,12 @@ def test_bucketed_rows_give_the_same_live_rows_and_gradients(counts):
         x, w_in, w_out, (100, 250))
     close("live rows", got[:n], want[:n], rtol=1e-6)
     assert not np.any(np.asarray(got[n:], np.float32))
+    # bf16 gradients: a weight's sum over the bucket's rows instead of the buffer's may round
+    # its last bit differently (XLA:CPU's unoptimized programs, tests/cpu_env.py, do not
+    # keep one summation order across the two shapes); the error stays below one bf16 step
+    # of the largest gradient
     for name, g, w in zip(("d x", "d w_in", "d w_out"), got_g, want_g):
-        close(name, g, w, rtol=1e-6)
+        close(name, g, w, rtol=2.0 ** -8)
     # the switch picked a bucket by the load: its index is in the program, not a constant
     text = jax.jit(lambda x: expert_gemm.expert_mlp(x, gs, w_in, w_out, "ragged_dot",
                                                     row_buckets=(100, 250))).lower(x).as_text()
@@ -639,8 +643,12 @@ def test_bucket_per_device_under_shard_map_with_gradients(option, monkeypatch):
     finally:
         expert_gemm._tokamax_dot.cache_clear()
     close("live y", got_y, want_y, rtol=1e-6)
+    # bf16 gradients: a weight's sum over the bucket's rows instead of the buffer's may round
+    # its last bit differently (XLA:CPU's unoptimized programs, tests/cpu_env.py, do not
+    # keep one summation order across the two shapes); the error stays below one bf16 step
+    # of the largest gradient
     for name, g, w in zip(("d x", "d w_in", "d w_out"), got_g, want_g):
-        close(name, g, w, rtol=1e-6)
+        close(name, g, w, rtol=2.0 ** -8)
 
 
 @pytest.mark.skipif(expert_gemm.resolve("auto", layout="packed") != "einsum",
