@@ -517,7 +517,7 @@ class AllToAll:
 
     @property
     def backend(self):
-        """The backend object (benchmarks use its barrier and timing hooks)."""
+        """The backend object (its barrier; the instruments take it: jax_moe_comm._bench)."""
         return self._backend
 
     @property

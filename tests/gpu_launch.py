@@ -22,7 +22,8 @@ def run_worker(script: str, n: int, *args: str, oversubscribe: bool = True, time
                command_buffers: bool = True) -> subprocess.CompletedProcess:
     """`python -m jax_moe_comm.launch -n N [--oversubscribe] -- python tests/SCRIPT ARGS`, from
     a neutral folder (the installed package is imported), output captured."""
-    env = dict(os.environ)
+    # the CPU suite's fast compile (tests/cpu_env.py) would run the GPU workers unoptimized
+    env = {k: v for k, v in os.environ.items() if k != "JAX_DISABLE_MOST_OPTIMIZATIONS"}
     if not command_buffers:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
     cmd = [sys.executable, "-m", "jax_moe_comm.launch", "-n", str(n)]
