@@ -643,12 +643,8 @@ def test_bucket_per_device_under_shard_map_with_gradients(option, monkeypatch):
     finally:
         expert_gemm._tokamax_dot.cache_clear()
     close("live y", got_y, want_y, rtol=1e-6)
-    # bf16 gradients: a weight's sum over the bucket's rows instead of the buffer's may round
-    # its last bit differently (XLA:CPU's unoptimized programs, tests/cpu_env.py, do not
-    # keep one summation order across the two shapes); the error stays below one bf16 step
-    # of the largest gradient
     for name, g, w in zip(("d x", "d w_in", "d w_out"), got_g, want_g):
-        close(name, g, w, rtol=2.0 ** -8)
+        close(name, g, w, rtol=1e-6)
 
 
 @pytest.mark.skipif(expert_gemm.resolve("auto", layout="packed") != "einsum",
