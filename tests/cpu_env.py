@@ -5,14 +5,13 @@ import os
 
 DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
-# XLA:CPU compiling fast rather than well. The suite compiles ~2,300 small programs and runs
-# each a few times: compiles were 77 % of the in-process tests' time. jax's
-# disable_most_optimizations (no LLVM optimization) and XLA's classic loop emitters instead of
-# its newer fusion emitters compile the programs of tests/test_reference.py,
-# test_expert_gemm.py and test_layout.py in 51 s instead of 125 s (docs/design-decisions.md,
-# "Building and CI"). The numbers the tests check are the same computations; only the
-# generated machine code differs. An explicit XLA_FLAGS or JAX_DISABLE_MOST_OPTIMIZATIONS=0
-# overrides this.
+# XLA:CPU compiling fast rather than well: the suite compiles thousands of small programs and
+# runs each a few times, so its time is mostly compiles. jax's disable_most_optimizations (no
+# LLVM optimization) and XLA's classic loop emitters instead of its fusion emitters run
+# the same operations, but an unoptimized program need not keep one summation order across two
+# shapes: a test comparing two programs bit for bit allows its dtype's last bit. Figures:
+# docs/notes.md, "GPU workers on CPU". An explicit XLA_FLAGS or
+# JAX_DISABLE_MOST_OPTIMIZATIONS=0 overrides this.
 FAST_COMPILE_FLAGS = "--xla_cpu_use_fusion_emitters=false"
 
 
