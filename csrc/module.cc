@@ -21,13 +21,12 @@ namespace nb = nanobind;
 
 namespace {
 
+using jmc::open_handle;
 using jmc::raise_if;
 using jmc::raise_if_cuda;
 using jmc::sync_device;
 
 std::tuple<int, int, int> as_tuple(jmc::Version v) { return {v.major, v.minor, v.patch}; }
-
-std::shared_ptr<jmc::Handle> handle(int64_t id) { return jmc::open_handle(id); }
 
 }  // namespace
 
@@ -112,10 +111,10 @@ NB_MODULE(_native, m) {
     if (!jmc::initialized()) throw std::runtime_error("NVSHMEM is not initialized");
     return jmc::probe_peers_p2p();
   });
-  m.def("symmetric_bytes", [](int64_t id) { return handle(id)->symmetric_bytes; });
+  m.def("symmetric_bytes", [](int64_t id) { return open_handle(id)->symmetric_bytes; });
   // Grid of each kernel: [(blocks, warps per block)] in dispatch_send .. combine_recv order.
   m.def("launch_shape", [](int64_t id) {
-    auto h = handle(id);
+    auto h = open_handle(id);
     std::vector<std::tuple<int, int>> out;
     for (const jmc::Launch& l : h->launch) out.emplace_back(l.num_blocks, l.warps_per_block);
     for (const jmc::Launch& l : h->fused_launch)
@@ -123,13 +122,13 @@ NB_MODULE(_native, m) {
     return out;
   });
   // Whether the kernels start as programmatic dependent launches (core/launch.cuh).
-  m.def("dependent_launch", [](int64_t id) { return handle(id)->dependent_launch; });
+  m.def("dependent_launch", [](int64_t id) { return open_handle(id)->dependent_launch; });
   // Whether the handle acknowledges load/store peers with relaxed stores (JMC_ACKS; handle.cc).
-  m.def("relaxed_acks", [](int64_t id) { return !handle(id)->release_acks; });
+  m.def("relaxed_acks", [](int64_t id) { return !open_handle(id)->release_acks; });
   // Rows dropped past a capacity since creation or recover() (overflow "drop"): waits for
   // the device, then reads DeviceState.
   m.def("dropped_rows", [](int64_t id) {
-    auto h = handle(id);
+    auto h = open_handle(id);
     sync_device();
     uint64_t dropped = 0;
     raise_if_cuda(cudaMemcpy(&dropped, &h->scratch.state->dropped_rows, sizeof(dropped),
@@ -139,7 +138,7 @@ NB_MODULE(_native, m) {
   });
   // The first recorded kernel error ("" if none). Reads pinned memory: no device sync.
   m.def("handle_error", [](int64_t id) {
-    auto h = handle(id);
+    auto h = open_handle(id);
     return jmc::describe_error(*h->error_host, h->rank);
   });
   // Tests only: the message of a made-up timeout record (host code, no GPU needed).
@@ -161,7 +160,7 @@ NB_MODULE(_native, m) {
   });
   // Synchronizes, then the recorded error, else the abort word a peer set ("" if neither).
   m.def("check_handle", [](int64_t id) {
-    auto h = handle(id);
+    auto h = open_handle(id);
     sync_device();
     std::string recorded = jmc::describe_error(*h->error_host, h->rank);
     return recorded.empty() ? jmc::describe_abort(*h) : recorded;
